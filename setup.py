@@ -1,0 +1,60 @@
+# Packaging for the adaptive-parallel Megatron fork.
+#
+# Ships two things: the `dcp_ext` engine (with its C++ kernels from csrc/) and the
+# `megatron.training` namespace portion that sits next to the installed megatron.core.
+# The repo must never add megatron/__init__.py: `megatron` stays a PEP 420 namespace.
+import glob
+import sys
+
+from setuptools import find_namespace_packages, setup
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+except ImportError:  # pybind11 missing: install without kernels (Python reference is used)
+    Pybind11Extension, build_ext = None, None
+
+ext_modules = []
+cmdclass = {}
+cpp_sources = sorted(glob.glob("csrc/*.cpp"))
+if Pybind11Extension is not None and cpp_sources:
+    ext_modules.append(
+        Pybind11Extension(
+            "dcp_ext._assign_cpp",
+            cpp_sources,
+            cxx_std=17,
+            extra_compile_args=["-O3"] if sys.platform != "win32" else [],
+        )
+    )
+    cmdclass["build_ext"] = build_ext
+
+setup(
+    name="megatron-dcp",
+    version="0.1.0",
+    description="Adaptive-parallel Megatron-LM fork: per-iteration heterogeneous layouts "
+    "for variable-length GPT training",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["dcp_ext", "dcp_ext.*", "megatron.training", "megatron.training.*"]),
+    py_modules=["pretrain_gpt_dcp"],
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "psutil",
+        "numpy",
+        "pyyaml",
+        "pybind11>=2.12",
+    ],
+    extras_require={
+        # apex has no wheel on PyPI: build it from source (see README) if you want its fused kernels.
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "test": ["pytest", "hypothesis", "highspy", "matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "dcp-plan=dcp_ext.cli.plan:main",
+            "dcp-simulate=dcp_ext.cli.simulate:main",
+            "dcp-profile=dcp_ext.cli.profile:main",
+        ]
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
