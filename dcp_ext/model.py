@@ -1,0 +1,109 @@
+"""Build megatron-core's GPTModel for one pipeline stage of one layout.
+
+The only choice made here is which kernels back the layers: transformer-engine's when it
+imports and CUDA is present (THD, CP and sequence parallel handled by TE), otherwise the
+local megatron-core spec with two substitutions that make it complete on the CPU: our
+document-masked, CP-aware core attention and a torch norm that marks its parameters for
+sequence parallelism (so finalize_model_grads sums their gradients over TP).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+from dcp_ext import cpu_compat
+
+
+def transformer_engine_usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class TorchNorm:
+    """LayerNorm/RMSNorm from torch whose parameters carry the `sequence_parallel` flag."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"unsupported --normalization {config.normalization!r}: use LayerNorm or RMSNorm")
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config, use_te: Optional[bool] = None):
+    """The transformer-layer spec for `config`: TE on GPUs with TE, the completed local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = transformer_engine_usable()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    from dcp_ext.attention import DocumentCausalAttention
+
+    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization))
+    sub = spec.submodules
+    sub.input_layernorm = TorchNorm
+    sub.pre_mlp_layernorm = TorchNorm
+    sub.self_attention.submodules.core_attention = DocumentCausalAttention
+    return spec
+
+
+def block_spec(config, pp_rank: int, use_te: Optional[bool] = None):
+    """A block spec for pipeline stage `pp_rank`, so the final norm is ours too on the CPU
+    (the local default norm refuses sequence parallel)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te is None:
+        use_te = transformer_engine_usable()
+    spec = layer_spec(config, use_te)
+    if use_te:
+        return spec
+    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchNorm)
+
+
+def build_gpt_model(
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool,
+    post_process: bool,
+    pg_collection=None,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = True,
+    rotary_base: int = 10000,
+    use_te: Optional[bool] = None,
+):
+    from megatron.core.models.gpt import GPTModel
+
+    cpu_compat.install()
+    if pg_collection is not None:
+        pp_rank = pg_collection.pp.rank()
+    else:
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config, pp_rank, use_te),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
+        pg_collection=pg_collection,
+    )
