@@ -35,7 +35,11 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.enabled:  # failed: end the line, no final figures
+            if self.tty:
+                self.stream.write("\n")
+            self.enabled = False
         self.close()
 
     def update(self, k: int = 1, extra: str | None = None) -> None:

@@ -1,0 +1,298 @@
+"""Documents as samples: one `.bin/.idx` sequence (or a chunk of it) per sample.
+
+Why: upstream Megatron's GPTDataset concatenates documents into fixed `--seq-length`
+samples; the adaptive engine needs each document as its own sample with its length known
+before the batch forms, so the planner can look ahead (issue 4).
+
+    train, valid, test = build_document_datasets(["0.7", "a_text_document", "0.3", "b_text_document"],
+                                                 split="969,30,1", seed=1234, max_seq_len=4096)
+    train.lengths            # np.ndarray, tokens per sample of epoch 0 (from the .idx only)
+    train.sample_lengths(a, b)   # lengths of sample ids a..b-1 (any epoch)
+    train[i]                 # np.ndarray of token ids (the .bin is read here, and only here)
+    train.loss_mask(i)       # np.ndarray uint8 per token for SFT data, else None
+
+Semantics, in Megatron's terms:
+- `data_path`: Megatron's blend syntax (`[prefix]`, `[p1, p2, ...]` weighted by size, or
+  `[w1, p1, w2, p2, ...]`); each prefix is split by `--split` into contiguous document
+  ranges (as megatron.core's builder does), then shuffled; blends interleave the
+  components by weight with megatron.core's own blending kernel (`build_blending_indices`).
+- Sample ids are global and unbounded: id i of a dataset with N samples per epoch is
+  sample i % N of epoch i // N; every epoch has its own seeded permutation. So consumed
+  samples is one integer and resuming at k continues exactly.
+- Lengths are truncated at `max_seq_len` (the document's first tokens are kept) or, with
+  `split_long_documents`, a long document becomes chunks of at most `max_seq_len` that
+  overlap by one token, so every next-token pair is trained exactly once.
+- Empty documents are skipped. An empty dataset, a missing or corrupt file, or (with
+  `vocab_size`) a token id beyond the vocabulary raise DataError naming the file.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from functools import lru_cache
+
+import numpy as np
+
+from dcp_ext.data.errors import DataError
+from dcp_ext.data.indexed import IndexedDocuments
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+# ---- Megatron's data-path and split conventions ------------------------------------------------
+
+def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
+    """Megatron blend syntax -> (prefixes, weights or None)."""
+    if isinstance(data_path, str):
+        data_path = data_path.split()
+    items = [str(x) for x in (data_path or [])]
+    if not items:
+        raise DataError("--data-path is empty")
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            if any(w <= 0 for w in weights):
+                raise DataError(f"--data-path weights must be > 0: {items[0::2]}")
+            return [p.strip() for p in items[1::2]], weights
+    for p in items:
+        if _is_number(p):
+            raise DataError(f"--data-path mixes weights and prefixes oddly: {' '.join(items)}")
+    return [p.strip() for p in items], None
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def split_bookends(split: str) -> list[tuple[float, float] | None]:
+    """'969,30,1' -> [(0, .969), (.969, .999), (.999, 1.0)] (None for an empty split)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split or "")]
+    if not parts or len(parts) > 3 or sum(parts) <= 0 or "-" in (split or ""):
+        raise DataError(f"bad --split {split!r}: expected up to three non-negative weights like 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    out, acc = [], 0.0
+    for w in parts:
+        lo, hi = acc, acc + w / total
+        out.append((lo, hi) if w > 0 else None)
+        acc = hi
+    return out
+
+
+# ---- one prefix, one split ------------------------------------------------------------------
+
+def _chunk_units(doc_ids: np.ndarray, lengths: np.ndarray, max_seq_len: int, split_long: bool):
+    """(doc id, token offset, length) per sample, before shuffling."""
+    keep = lengths > 0
+    doc_ids, lengths = doc_ids[keep].astype(np.int64), lengths[keep].astype(np.int64)
+    if not split_long:
+        return doc_ids, np.zeros_like(doc_ids), np.minimum(lengths, max_seq_len)
+    stride = max(max_seq_len - 1, 1)  # chunks overlap by one token
+    counts = np.where(lengths > max_seq_len, -(-(lengths - 1) // stride), 1)
+    starts = np.cumsum(counts) - counts
+    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+    offsets = k * stride
+    rep_len = np.repeat(lengths, counts)
+    return np.repeat(doc_ids, counts), offsets, np.minimum(max_seq_len, rep_len - offsets)
+
+
+class DocumentDataset:
+    """The samples of one split of one `.bin/.idx` prefix, shuffled per epoch."""
+
+    def __init__(self, docs: IndexedDocuments, doc_range: tuple[int, int], max_seq_len: int, seed: int,
+                 split_long_documents: bool = False, name: str = "train"):
+        if max_seq_len < 1:
+            raise DataError("max_seq_len must be >= 1")
+        self.docs, self.name, self.seed, self.max_seq_len = docs, name, int(seed), int(max_seq_len)
+        lo, hi = doc_range
+        ids = np.arange(lo, hi, dtype=np.int64)
+        self._doc, self._off, self._len = _chunk_units(ids, np.asarray(docs.lengths[lo:hi]), max_seq_len,
+                                                       split_long_documents)
+        self._len = self._len.astype(np.int64)
+        self.has_loss_mask = docs.has_loss_mask
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        """Samples per epoch."""
+        return len(self._len)
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        p = self._perm_cache.get(epoch)
+        if p is None:
+            split_salt = SPLIT_NAMES.index(self.name) if self.name in SPLIT_NAMES else 3
+            p = np.random.default_rng([self.seed, split_salt, epoch]).permutation(len(self._len))
+            if len(self._perm_cache) >= 4:
+                self._perm_cache.pop(next(iter(self._perm_cache)))
+            self._perm_cache[epoch] = p
+        return p
+
+    def _units(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and ids.min() < 0:
+            raise IndexError("sample ids must be >= 0")
+        n = len(self._len)
+        epochs, pos = np.divmod(ids, n)
+        out = np.empty_like(ids)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[pos[sel]]
+        return out
+
+    def sample_lengths(self, start: int, stop: int) -> np.ndarray:
+        """Token counts of sample ids start..stop-1 (after truncation/splitting)."""
+        return self._len[self._units(np.arange(start, stop, dtype=np.int64))]
+
+    def lengths_of(self, ids) -> np.ndarray:
+        return self._len[self._units(np.asarray(ids))]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.sample_lengths(0, len(self))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        u = int(self._units(np.array([i]))[0])
+        return np.asarray(self.docs.tokens(self._doc[u], self._off[u], self._len[u]), dtype=np.int64)
+
+    def loss_mask(self, i: int) -> np.ndarray | None:
+        if not self.has_loss_mask:
+            return None
+        u = int(self._units(np.array([i]))[0])
+        return np.asarray(self.docs.loss_mask(self._doc[u], self._off[u], self._len[u]), dtype=np.uint8)
+
+    def source(self, i: int) -> tuple[str, int, int]:
+        """(prefix, document index in the .idx, token offset) of sample id i."""
+        u = int(self._units(np.array([i]))[0])
+        return self.docs.prefix, int(self._doc[u]), int(self._off[u])
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+
+# ---- blends ---------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _blending_kernel():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.helpers_cpp import build_blending_indices
+    return build_blending_indices
+
+
+class BlendedDocumentDataset:
+    """Components interleaved by weight (megatron.core's greedy blending, unbounded ids)."""
+
+    def __init__(self, datasets: list[DocumentDataset], weights: list[float]):
+        if len(datasets) >= 32767:
+            raise DataError("too many datasets in one blend")
+        self.datasets = datasets
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+        self.name = datasets[0].name
+        self.has_loss_mask = all(d.has_loss_mask for d in datasets)
+        self._ds_index = np.zeros(0, dtype=np.int16)
+        self._ds_sample = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.datasets)
+
+    def _ensure(self, size: int) -> None:
+        # The greedy rule depends only on the position, so a longer index extends a shorter one.
+        if size <= len(self._ds_index):
+            return
+        n = max(1024, 1 << int(np.ceil(np.log2(size))))
+        ds_index = np.zeros(n, dtype=np.int16)
+        ds_sample = np.zeros(n, dtype=np.int64)
+        _blending_kernel()(ds_index, ds_sample, self.weights, len(self.datasets), n, False)
+        self._ds_index, self._ds_sample = ds_index, ds_sample
+
+    def _route(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and ids.min() < 0:
+            raise IndexError("sample ids must be >= 0")
+        self._ensure(int(ids.max()) + 1 if ids.size else 0)
+        return self._ds_index[ids], self._ds_sample[ids]
+
+    def lengths_of(self, ids) -> np.ndarray:
+        which, local = self._route(ids)
+        out = np.empty(len(which), dtype=np.int64)
+        for k, d in enumerate(self.datasets):
+            sel = which == k
+            if sel.any():
+                out[sel] = d.lengths_of(local[sel])
+        return out
+
+    def sample_lengths(self, start: int, stop: int) -> np.ndarray:
+        return self.lengths_of(np.arange(start, stop, dtype=np.int64))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.sample_lengths(0, len(self))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        which, local = self._route(np.array([i]))
+        return self.datasets[int(which[0])][int(local[0])]
+
+    def loss_mask(self, i: int) -> np.ndarray | None:
+        which, local = self._route(np.array([i]))
+        return self.datasets[int(which[0])].loss_mask(int(local[0]))
+
+    def source(self, i: int) -> tuple[str, int, int]:
+        which, local = self._route(np.array([i]))
+        return self.datasets[int(which[0])].source(int(local[0]))
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+
+# ---- the builder ----------------------------------------------------------------------------
+
+def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
+                            split_long_documents: bool = False, cache_dir: str | None = None,
+                            vocab_size: int | None = None):
+    """-> (train, valid, test); a split whose weight is 0 or that holds no document is None.
+
+    `cache_dir` is accepted for symmetry with the fixed-length path; nothing needs caching
+    (the indices are O(documents) numpy work). With `vocab_size`, token ids are checked
+    against it (cheaply: see IndexedDocuments.check_vocab). The train split must not be
+    empty. No torch.distributed calls: every rank builds the same datasets by itself.
+    """
+    del cache_dir
+    prefixes, weights = parse_blend(data_path)
+    bookends = split_bookends(split)
+    per_split: list[list[tuple[DocumentDataset, float]]] = [[], [], []]
+    for k, prefix in enumerate(prefixes):
+        docs = IndexedDocuments(prefix)
+        if len(docs) == 0 or int(np.count_nonzero(docs.lengths)) == 0:
+            raise DataError(f"dataset {prefix} is empty (no non-empty document in {prefix}.idx)")
+        if vocab_size is not None:
+            docs.check_vocab(int(vocab_size))
+        n = len(docs)
+        for s, be in enumerate(bookends):
+            if be is None:
+                continue
+            lo, hi = int(round(be[0] * n)), int(round(be[1] * n))
+            ds = DocumentDataset(docs, (lo, hi), max_seq_len, seed, split_long_documents, SPLIT_NAMES[s])
+            if len(ds):
+                per_split[s].append((ds, weights[k] if weights is not None else float(len(ds))))
+    if len({d.has_loss_mask for parts in per_split for d, _ in parts}) > 1:
+        raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
+    out = []
+    for s, parts in enumerate(per_split):
+        if not parts:
+            out.append(None)
+        elif len(parts) == 1:
+            out.append(parts[0][0])
+        else:
+            out.append(BlendedDocumentDataset([d for d, _ in parts], [w for _, w in parts]))
+    if out[0] is None and bookends[0] is not None:
+        raise DataError(f"the train split of {' '.join(prefixes)} is empty with --split {split}")
+    return tuple(out)

@@ -1,0 +1,194 @@
+"""JSONL -> Megatron `.bin/.idx`, with Megatron's `tools/preprocess_data.py` flags (+ SFT).
+
+Why here and not in tools/: the logic is tested directly; `tools/preprocess_data.py`
+only calls `main()`. Output, as Megatron: `{output_prefix}_{key}_document.bin/.idx` per
+`--json-keys` key. With `--sft`, one dataset `{output_prefix}_sft_document` plus its loss
+mask `{output_prefix}_sft_document_loss_mask` (see dcp_ext.data.sft). Every bad input
+(missing file, bad JSON with its line number, unknown tokenizer, token id out of the
+vocabulary) ends with one line on stderr and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+
+import numpy as np
+
+from dcp_ext.data.errors import DataError
+from dcp_ext.data.progress import Progress
+from dcp_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+
+PROG = "preprocess_data.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSONL file, one JSON object a line")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    g.add_argument("--split-sentences", action="store_true", help="not supported (kept for flag compatibility)")
+    g.add_argument("--keep-newlines", action="store_true", help="accepted; newlines are always kept")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, help=", ".join(TOKENIZER_TYPES))
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--append-eod", action="store_true", help="append EOD to each document")
+    g.add_argument("--lang", default="english", help="accepted for compatibility; unused")
+    g = p.add_argument_group("SFT (loss on the response only)")
+    g.add_argument("--sft", action="store_true", help="prompt/response or chat messages; stores a loss mask")
+    g.add_argument("--prompt-key", default="prompt")
+    g.add_argument("--response-key", default="response")
+    g.add_argument("--messages-key", default="messages")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True)
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--partitions", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--log-interval", type=int, default=1000, help="accepted; progress is time-based")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+# ---- worker side (also used in-process with --workers 1) ------------------------------------
+
+_STATE: dict = {}
+
+
+def _init_worker(tok_kwargs: dict, opts: dict) -> None:
+    _STATE["tok"] = build_tokenizer(**tok_kwargs)
+    _STATE["opts"] = opts
+
+
+def _encode(item: tuple[int, bytes]):
+    """(line number, raw line) -> (line number, {key: (tokens, mask|None)} or error text)."""
+    lineno, raw = item
+    tok, o = _STATE["tok"], _STATE["opts"]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return lineno, f"not UTF-8 ({e.reason} at byte {e.start})"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return lineno, f"bad JSON ({e.msg}: column {e.colno})"
+    try:
+        if o["sft"]:
+            from dcp_ext.data.sft import SFTFormatError, encode_example
+
+            try:
+                ids, mask = encode_example(obj, tok, o["prompt_key"], o["response_key"], o["messages_key"])
+            except SFTFormatError as e:
+                return lineno, str(e)
+            out = {"sft": (ids, mask)}
+        else:
+            if not isinstance(obj, dict):
+                return lineno, "expected a JSON object"
+            out = {}
+            for key in o["json_keys"]:
+                if key not in obj:
+                    return lineno, f"no key {key!r}"
+                if not isinstance(obj[key], str):
+                    return lineno, f"key {key!r} is not a string"
+                ids = tok.tokenize(obj[key])
+                if ids and o["append_eod"]:
+                    ids.append(tok.eod)
+                out[key] = (ids, None)
+    except (ValueError, KeyError) as e:
+        return lineno, f"cannot tokenize: {e}"
+    result = {}
+    for key, (ids, mask) in out.items():
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+            return lineno, f"token id {int(arr.max())} outside the vocabulary of {tok.vocab_size}"
+        result[key] = (arr, None if mask is None else np.asarray(mask, dtype=np.uint8))
+    return lineno, result
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def _lines(path: str, counter: list):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            counter[0] += len(raw)
+            if raw.strip():
+                yield lineno, raw
+
+
+def run(args) -> dict[str, str]:
+    """Preprocess; return {key: output prefix}. Raises DataError."""
+    if not os.path.isfile(args.input):
+        raise DataError(f"--input not found: {args.input}")
+    if args.split_sentences:
+        raise DataError("--split-sentences is not supported (GPT data needs whole documents)")
+    if args.partitions != 1:
+        raise DataError("--partitions other than 1 is not supported")
+    if args.workers < 1:
+        raise DataError("--workers must be >= 1")
+    tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                      vocab_size=args.vocab_size)
+    tokenizer = build_tokenizer(**tok_kwargs)  # fails here, once, on a bad tokenizer
+    opts = dict(sft=args.sft, json_keys=list(args.json_keys), append_eod=args.append_eod,
+                prompt_key=args.prompt_key, response_key=args.response_key, messages_key=args.messages_key)
+    keys = ["sft"] if args.sft else list(args.json_keys)
+
+    from dcp_ext.data.indexed import DocumentWriter
+
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
+    writers = {k: DocumentWriter(prefixes[k], tokenizer.vocab_size, loss_mask=args.sft) for k in keys}
+    counter = [0]
+    total = os.path.getsize(args.input)
+    pool = None
+    try:
+        if args.workers > 1:
+            pool = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn").Pool(
+                args.workers, initializer=_init_worker, initargs=(tok_kwargs, opts))
+            results = pool.imap(_encode, _lines(args.input, counter), chunksize=32)
+        else:
+            _init_worker(tok_kwargs, opts)
+            results = map(_encode, _lines(args.input, counter))
+        with Progress(f"tokenizing {os.path.basename(args.input)}", total=total, unit="B",
+                      enabled=not args.no_progress) as bar:
+            for lineno, res in results:
+                if isinstance(res, str):
+                    raise DataError(f"line {lineno} of {args.input}: {res}")
+                for k, (ids, mask) in res.items():
+                    writers[k].add(ids, mask)
+                bar.n = counter[0]
+                bar.update(0, extra=f"{writers[keys[0]].num_documents} docs")
+        if all(w.num_documents == 0 for w in writers.values()):
+            raise DataError(f"{args.input} has no non-empty documents")
+        meta = {"tokenizer": dict(tokenizer.unique_identifiers), "eod": tokenizer.eod,
+                "source": os.path.abspath(args.input), "append_eod": bool(args.append_eod or args.sft)}
+        for k, w in writers.items():
+            w.finalize(dict(meta, json_key=k))
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    for k, w in writers.items():
+        print(f"{PROG}: wrote {w.num_documents} documents, {w.num_tokens} tokens to {prefixes[k]}.bin/.idx",
+              file=sys.stderr)
+    return prefixes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except DataError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; no output written", file=sys.stderr)
+        return 130
+    return 0
