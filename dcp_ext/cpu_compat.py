@@ -26,6 +26,12 @@ def install() -> bool:
         return False
     _patch_torch_cuda_module()
     _patch_device_arguments()
+    _patch_megatron_rng()
+    # megatron-core's fused helpers are wrapped in torch.compile (jit_fuser); inductor spends
+    # ~20 s per process compiling them for the CPU on the first step. Run them eagerly.
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.disable = True
     _installed = True
     return True
 
@@ -52,7 +58,9 @@ def _patch_torch_cuda_module() -> None:
     # The model-parallel RNG tracker swaps CUDA generator states: use the CPU generator.
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: None
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     cuda.manual_seed_all = lambda seed: None
     # nvtx ranges are profiler annotations only.
     cuda.nvtx.range_push = lambda *a, **k: None
@@ -105,6 +113,16 @@ def _patch_device_arguments() -> None:
         return result
 
     torch.Tensor.type = tensor_type
+
+
+def _patch_megatron_rng() -> None:
+    # CudaRNGStatesTracker.fork() swaps generator states through these two helpers; on the
+    # CPU the swapped generator is the default CPU one, so a fork keeps its meaning
+    # (model-parallel dropout draws from its own seeded stream).
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
 def _with_cpu_device(factory):

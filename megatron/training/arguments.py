@@ -1,0 +1,296 @@
+"""Megatron-compatible command line for GPT jobs, plus the flags this fork adds.
+
+Users bring their Megatron launch scripts: flag names, defaults and derived values follow
+Megatron-LM's `arguments.py`. A YAML file (`--yaml-cfg`) may hold the same names as keys
+(dashes or underscores); flags on the command line win. Every invalid combination ends
+with one line that names the fix (see `validate_args`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+
+class ArgumentError(ValueError):
+    """An invalid flag or combination; the message is one line that names the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line instead of usage + message
+        raise ArgumentError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt_dcp.py", allow_abbrev=False, add_help=True)
+    p.add_argument("--yaml-cfg", type=str, default=None, help="YAML file whose keys are these flags' names")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias: --position-embedding-type rope")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="default: transformer_engine when it imports on a GPU, else local (our CPU attention)")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--max-nan-iterations", type=int, default=10,
+                   help="stop after this many skipped NaN/inf iterations in a row")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None, help="prefix, or weight prefix weight prefix ...")
+    g.add_argument("--split", type=str, default="969, 30, 1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--demo-corpus", action="store_true",
+                   help="build (once, cached) a corpus from this Python's standard library sources and train on it")
+    g.add_argument("--tokenizer-type", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--num-workers", type=int, default=0)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--log-throughput", action="store_true", help="accepted for compatibility; always logged")
+
+    g = p.add_argument_group("adaptive parallelism (this fork)")
+    g.add_argument("--dcp", action="store_true", help="plan the layout per iteration from the data")
+    g.add_argument("--dcp-planner", choices=["adaptive", "static", "dynamic-cp", "dcp", "hydraulis"], default="adaptive")
+    g.add_argument("--dcp-global-batch-tokens", type=int, default=None)
+    g.add_argument("--dcp-max-seq-len", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--dcp-split-long-documents", action="store_true",
+                   help="split documents longer than --dcp-max-seq-len into chunks instead of truncating")
+    g.add_argument("--dcp-candidates", type=int, default=16, help="size of the candidate layout pool")
+    g.add_argument("--dcp-cost-profile", type=str, default=None, help="profile written by dcp-profile")
+    g.add_argument("--dcp-memory-margin", type=float, default=0.1)
+    g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
+    return p
+
+
+def _dest_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> None:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--yaml-cfg {path}: no such file")
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"--yaml-cfg {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict):
+        raise ArgumentError(f"--yaml-cfg {path}: expected a mapping of flag names to values")
+    actions = _dest_names(parser)
+    defaults = {}
+    for key, value in cfg.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions or dest == "yaml_cfg":
+            raise ArgumentError(f"--yaml-cfg {path}: unknown key '{key}' (keys are flag names, e.g. num-layers)")
+        if actions[dest].nargs == "*" and isinstance(value, str):
+            value = value.split()
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse Megatron flags (and --yaml-cfg), fill derived values, validate for `world_size`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    pre, _ = _yaml_only_parser().parse_known_args(argv)
+    if pre.yaml_cfg:
+        load_yaml_defaults(parser, pre.yaml_cfg)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(f"unknown flag {unknown[0]} (see pretrain_gpt_dcp.py --help)")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    fill_derived(args)
+    validate_args(args)
+    return args
+
+
+def _yaml_only_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--yaml-cfg", default=None)
+    return p
+
+
+def fill_derived(args: argparse.Namespace) -> None:
+    """Megatron's derived defaults."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.num_query_groups is not None:
+        args.group_query_attention = True
+    if not args.group_query_attention or args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        if args.swiglu:
+            # Megatron keeps the parameter count of a 4h GELU MLP: 2/3 * 4h, multiple of 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.dcp_max_seq_len is None:
+        args.dcp_max_seq_len = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None and args.lr_decay_iters:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.distributed_backend is None:
+        import torch
+
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    args.data_parallel_size = args.world_size // mp if mp and args.world_size % mp == 0 else None
+    if args.global_batch_size is None and args.data_parallel_size:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            raise ArgumentError(message)
+
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
+        need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    need(min(tp, pp, cp) >= 1, "parallel sizes must be >= 1")
+    need(
+        args.world_size % (tp * pp * cp) == 0,
+        f"world size {args.world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}: "
+        "change the parallel sizes or --nproc_per_node",
+    )
+    need(
+        args.num_attention_heads % tp == 0,
+        f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}",
+    )
+    need(
+        args.num_query_groups % tp == 0,
+        f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}",
+    )
+    need(
+        args.num_attention_heads % args.num_query_groups == 0,
+        f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups {args.num_query_groups}",
+    )
+    need(
+        args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
+        f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}",
+    )
+    need(
+        args.num_layers % pp == 0,
+        f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}",
+    )
+    if cp > 1:
+        need(
+            args.seq_length % (2 * cp) == 0,
+            f"--seq-length {args.seq_length} must be a multiple of 2*context-parallel-size = {2 * cp}",
+        )
+    if args.sequence_parallel:
+        need(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        need(args.seq_length % tp == 0, f"--seq-length {args.seq_length} must be a multiple of tp = {tp} with --sequence-parallel")
+    need(args.max_position_embeddings >= args.seq_length or args.position_embedding_type != "learned_absolute",
+         f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}")
+    need(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    dp = args.data_parallel_size
+    if not args.dcp:
+        need(
+            args.global_batch_size % (args.micro_batch_size * dp) == 0,
+            f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch-size x data-parallel-size "
+            f"= {args.micro_batch_size} x {dp}",
+        )
+        args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    else:
+        need(args.dcp_global_batch_tokens is not None and args.dcp_global_batch_tokens > 0,
+             "--dcp needs --dcp-global-batch-tokens (tokens per global batch)")
+        need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
+             f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
+        need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
+        args.num_microbatches = None
+    if args.save_interval is not None:
+        need(args.save is not None, "--save-interval needs --save DIR")
+        need(args.save_interval > 0, "--save-interval must be > 0")
+    need(args.demo_corpus or args.mock_data or args.data_path, "--data-path is required (or --mock-data / --demo-corpus)")
+    if args.recompute_granularity == "full":
+        need(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+    need(args.log_interval > 0 and args.eval_interval > 0, "--log-interval and --eval-interval must be > 0")
+    need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")

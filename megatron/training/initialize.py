@@ -1,0 +1,74 @@
+"""Process start-up: torch.distributed, the CPU redirects, megatron-core's parallel state, seeds.
+
+Works under torchrun (env:// rendezvous, NCCL on GPUs, gloo on CPUs) and as a plain
+single process (`python pretrain_gpt_dcp.py`), which then forms a world of one.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dcp_ext import cpu_compat
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
+    if dist.is_initialized():
+        return
+    cpu_compat.install()
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:  # plain `python`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def initialize_model_parallel(args) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+    )
+
+
+def set_random_seed(seed: int, offset_by_pipeline_rank: bool = True) -> None:
+    """Megatron's seeding: one seed per pipeline stage, model-parallel RNG tracker seeded."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if offset_by_pipeline_rank and parallel_state.model_parallel_is_initialized():
+        seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print_rank_0(*args, **kwargs) -> None:
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_rank_last(*args, **kwargs) -> None:
+    """Megatron prints the iteration line from the last rank (it holds the loss)."""
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,107 @@
+"""Megatron's iteration log line, validation line and TensorBoard scalars.
+
+The iteration line keeps upstream's fields and order so existing log parsers keep
+working; throughput counts causal attention per document (dcp_ext.flops).
+"""
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+import torch.distributed as dist
+
+from dcp_ext.flops import training_flops
+from megatron.training.initialize import print_rank_last
+
+
+class TrainingLogger:
+    def __init__(self, args):
+        self.args = args
+        self.window_time = 0.0
+        self.window_iters = 0
+        self.window_flops = 0.0
+        self.skipped = 0
+        self.nan = 0
+        self.writer = None
+        last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        if args.tensorboard_dir and last_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+            except ImportError:
+                print_rank_last("warning: --tensorboard-dir given but tensorboard is not installed (pip install tensorboard)")
+
+    def flops(self, doc_lengths) -> float:
+        """Training FLOPs of these documents under this run's model."""
+        a = self.args
+        return training_flops(
+            doc_lengths,
+            num_layers=a.num_layers,
+            hidden=a.hidden_size,
+            ffn_hidden=a.ffn_hidden_size,
+            num_heads=a.num_attention_heads,
+            num_query_groups=a.num_query_groups,
+            kv_channels=a.kv_channels,
+            vocab_size=getattr(a, "padded_vocab_size", None) or a.vocab_size or 0,
+            swiglu=a.swiglu,
+        )
+
+    def log_iteration(self, iteration, consumed_samples, elapsed_s, losses, scheduler, optimizer, grad_norm,
+                      update_successful, iteration_flops, global_batch_size, extra: str = ""):
+        """Accumulate one iteration; print Megatron's line every --log-interval iterations.
+
+        `iteration_flops` is the whole job's work this iteration (every replica's documents
+        once); TFLOP/s/GPU divides it by time and world size.
+        """
+        loss = losses["lm loss"]
+        if not update_successful:
+            self.skipped += 1
+        if not math.isfinite(loss):
+            self.nan += 1
+        self.window_time += elapsed_s
+        self.window_iters += 1
+        self.window_flops += iteration_flops
+        lr = scheduler.get_lr(optimizer.param_groups[0]) if hasattr(scheduler, "get_lr") else float("nan")
+        loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar("learning-rate", lr, iteration)
+            if grad_norm is not None:
+                self.writer.add_scalar("grad-norm", grad_norm, iteration)
+        if iteration % self.args.log_interval != 0:
+            return
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ms = 1000.0 * self.window_time / self.window_iters
+        tflops = self.window_flops / max(self.window_time, 1e-12) / world / 1e12
+        line = (
+            f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+            f" iteration {iteration:8d}/{self.args.train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {ms:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
+            f" learning rate: {lr:.6E} |"
+            f" global batch size: {global_batch_size:5d} |"
+            f" lm loss: {loss:.6E} |"
+            f" loss scale: {loss_scale:.1f} |"
+            f" grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
+            f" number of skipped iterations: {self.skipped:3d} |"
+            f" number of nan iterations: {self.nan:3d} |"
+        )
+        print_rank_last(line + extra)
+        self.window_time, self.window_iters, self.window_flops = 0.0, 0, 0.0
+        self.skipped = self.nan = 0
+
+    def log_validation(self, iteration, loss):
+        ppl = math.exp(min(20.0, loss))
+        print_rank_last(
+            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        )
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+

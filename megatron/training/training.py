@@ -1,0 +1,327 @@
+"""`pretrain()`: Megatron's training loop on megatron-core parts, CPU (gloo) or GPU (NCCL).
+
+A static layout (TP/PP/CP/DP fixed for the run) drives megatron-core's model, DDP,
+optimizer, LR schedule and forward/backward schedules exactly as upstream Megatron does.
+`--dcp` hands the per-iteration work to the adaptive runtime in `dcp_ext.runtime`.
+Loss is per token over the whole global batch (DESIGN.md, "Loss").
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import checkpointing, global_vars
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.initialize import (
+    initialize_distributed,
+    initialize_model_parallel,
+    print_rank_0,
+    print_rank_last,
+    set_random_seed,
+)
+from megatron.training.log import TrainingLogger
+
+
+class TrainingError(RuntimeError):
+    """A condition that stops training with one clear line (NaN streak, missing checkpoint)."""
+
+
+def dtype_of(args) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.params_dtype, torch.float32)
+
+
+def transformer_config_from_args(args, **overrides):
+    """megatron-core TransformerConfig from Megatron flags."""
+    from megatron.core.transformer import TransformerConfig
+
+    recompute = {}
+    if args.recompute_granularity:
+        recompute = dict(
+            recompute_granularity=args.recompute_granularity,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
+        )
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype_of(args),
+        pipeline_dtype=dtype_of(args),
+        use_cpu_initialization=not torch.cuda.is_available(),
+        calculate_per_token_loss=True,
+        # The fused native loss takes the TP group from the model, never a global one.
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native",
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Packed (THD) micro-batches vary in length: pipeline stages exchange shapes first.
+        variable_seq_lengths=bool(args.reset_attention_mask or args.dcp),
+        moe_token_dispatcher_type="alltoall",
+        deterministic_mode=not torch.cuda.is_available(),
+        **recompute,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def optimizer_config_from_args(args):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype_of(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def build_lr_scheduler(args, optimizer):
+    """Megatron's OptimizerParamScheduler, stepped once per iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=max(args.lr_decay_iters or 1, 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style="exponential" if args.lr_decay_style == "WSD" else None,
+    )
+
+
+def build_model_and_optimizer(args, model_provider: Callable):
+    """The model stage this rank holds, wrapped in megatron-core DDP, with its optimizer."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = transformer_config_from_args(args)
+    pre_process = parallel_state.is_pipeline_first_stage()
+    post_process = parallel_state.is_pipeline_last_stage()
+    model = model_provider(config, pre_process=pre_process, post_process=post_process)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [model])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return model, optimizer, config
+
+
+def _report_error_and_exit(message: str, code: int = 1) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    argv: Optional[list[str]] = None,
+):
+    """Megatron's entry: parse flags, initialise, build, (resume), train, evaluate, save.
+
+    Returns the list of (iteration, lm loss) logged, for tests and tools.
+    """
+    from dcp_ext.data.errors import DataError
+
+    try:
+        args = parse_args(argv)
+    except ArgumentError as e:
+        _report_error_and_exit(str(e), 2)
+    global_vars.set_args(args)
+    try:
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func)
+    except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError) as e:
+        _report_error_and_exit(str(e))
+
+
+def _pretrain(args, datasets_provider, model_provider, forward_step_func):
+    initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    global_vars.build_tokenizer(args)
+    if args.dcp:
+        from dcp_ext.runtime.train import train_adaptive
+
+        return train_adaptive(args, datasets_provider, model_provider)
+    initialize_model_parallel(args)
+    set_random_seed(args.seed)
+    model, optimizer, config = build_model_and_optimizer(args, model_provider)
+    scheduler = build_lr_scheduler(args, optimizer)
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    train_ds, valid_ds, _ = datasets_provider(args)
+    logger = TrainingLogger(args)
+    history = train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
+                    iteration, consumed_samples, logger)
+    logger.close()
+    dist.barrier()
+    return history
+
+
+def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int, collate):
+    """Micro-batches of one global batch for this DP rank, Megatron's sample order."""
+    mbs = args.micro_batch_size
+    step = mbs * data_parallel_size
+    for m in range(args.global_batch_size // step):
+        start = consumed_samples + m * step + data_parallel_rank * mbs
+        yield collate([dataset[(start + i) % len(dataset)] for i in range(mbs)])
+
+
+def train_step(args, model, optimizer, scheduler, config, forward_step_func, data_iterator, num_microbatches,
+               seq_length: int, forward_only: bool = False):
+    """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not forward_only:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+    update_successful, grad_norm = True, None
+    if not forward_only:
+        update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=1)
+    return reduce_losses(losses), update_successful, grad_norm
+
+
+def reduce_losses(losses) -> dict[str, float]:
+    """Sum each reported (loss_sum, tokens) over micro-batches and DP/CP ranks; per-token means.
+
+    Only the last pipeline stage holds losses; the result is broadcast over the pipeline so
+    every rank returns the same numbers.
+    """
+    from megatron.core import parallel_state
+
+    totals: dict[str, torch.Tensor] = {}
+    for entry in losses or []:
+        for key, value in entry.items():
+            totals[key] = totals.get(key, 0) + value.detach().double()
+    keys = ["lm loss"]
+    vec = torch.stack([totals.get(k, torch.zeros(2, dtype=torch.float64)) for k in keys])
+    dist.all_reduce(vec, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(vec, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return {k: (vec[i, 0] / vec[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
+
+
+def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
+          iteration: int, consumed_samples: int, logger: TrainingLogger):
+    from megatron.core import parallel_state
+
+    from megatron.training.batches import collate_fixed_length
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    collate = partial(collate_fixed_length, args=args)
+    history = []
+    nan_streak = 0
+    model.train()
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        batches = list(micro_batches(train_ds, consumed_samples, args, dp_rank, dp_size, collate))
+        losses, ok, grad_norm = train_step(
+            args, model, optimizer, scheduler, config, forward_step_func, iter(batches),
+            args.num_microbatches, args.seq_length,
+        )
+        loss = losses["lm loss"]
+        if not math.isfinite(loss):
+            ok = False
+        nan_streak = 0 if ok else nan_streak + 1
+        if nan_streak >= args.max_nan_iterations:
+            raise TrainingError(
+                f"{nan_streak} NaN/inf iterations in a row at iteration {iteration + 1}: lower --lr, "
+                "check the data, or raise --max-nan-iterations"
+            )
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        elapsed = time.perf_counter() - start
+        flops = torch.tensor(logger.flops([n for b in batches for n in b["doc_lengths"]]), dtype=torch.float64)
+        dist.all_reduce(flops, group=parallel_state.get_data_parallel_group())
+        logger.log_iteration(
+            iteration, consumed_samples, elapsed, losses, scheduler, optimizer, grad_norm, ok,
+            flops.item(), args.global_batch_size,
+        )
+        history.append((iteration, loss))
+        if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+            evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds,
+                             iteration, collate, dp_rank, dp_size, logger)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+    return history
+
+
+def evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds, iteration,
+                     collate, dp_rank, dp_size, logger):
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(args.eval_iters):
+            consumed = i * args.global_batch_size
+            batches = list(micro_batches(valid_ds, consumed, args, dp_rank, dp_size, collate))
+            losses, _, _ = train_step(args, model, optimizer, scheduler, config, forward_step_func, iter(batches),
+                                      args.num_microbatches, args.seq_length, forward_only=True)
+            total += losses["lm loss"]
+            count += 1
+    model.train()
+    logger.log_validation(iteration, total / max(count, 1))

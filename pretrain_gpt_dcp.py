@@ -1,0 +1,103 @@
+"""Pretrain a GPT with megatron-core, static or adaptive (`--dcp`) parallelism.
+
+    torchrun --nproc_per_node=4 pretrain_gpt_dcp.py <Megatron flags>
+    torchrun --nproc_per_node=4 pretrain_gpt_dcp.py            # the CPU demo (examples/cpu_demo.yaml)
+
+Thin, like Megatron's pretrain_gpt.py: the model, data and forward-step providers, then
+`pretrain()`. With no flags at all it runs the embedded default, the CPU demo.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "cpu_demo.yaml")
+
+
+def model_provider(config, pre_process: bool = True, post_process: bool = True, pg_collection=None):
+    """megatron-core GPTModel for one pipeline stage (TE layers on GPUs, ours on CPUs)."""
+    from dcp_ext.model import build_gpt_model
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    use_te = None if args.transformer_impl is None else args.transformer_impl == "transformer_engine"
+    return build_gpt_model(
+        config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg_collection=pg_collection,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base,
+        use_te=use_te,
+    )
+
+
+def data_prefixes(args) -> list[str]:
+    """--data-path, or the demo corpus built once from the standard library (rank 0 builds)."""
+    if not args.demo_corpus:
+        return args.data_path
+    from dcp_ext.data.demo_corpus import ensure_demo_corpus
+
+    cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache")
+    return [ensure_demo_corpus(os.path.join(cache, "demo"))]
+
+
+def train_valid_test_datasets_provider(args):
+    """Fixed-length samples (upstream Megatron's GPTDataset) for the static path."""
+    from dcp_ext.data.gpt_dataset import build_fixed_length_datasets
+    from megatron.training.global_vars import get_tokenizer
+
+    eval_runs = args.train_iters // args.eval_interval + 1
+    num_samples = (
+        args.train_iters * args.global_batch_size,
+        eval_runs * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    )
+    cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache", "index")
+    return build_fixed_length_datasets(
+        data_prefixes(args), args.split, args.seq_length, args.seed, get_tokenizer(), num_samples, cache,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss summed over this micro-batch, with its token count (Megatron's 3-tuple)."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        packed_seq_params=batch["packed_seq_params"],
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def main(argv=None) -> None:
+    from megatron.training.training import pretrain
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["--yaml-cfg", DEMO_CONFIG]
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
