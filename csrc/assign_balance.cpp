@@ -1,0 +1,318 @@
+// Stage 1 (balance): sequences onto heterogeneous replicas, minimising the largest
+// stage-1 estimate. Greedy by decreasing length (one heap per replica type), then a
+// local search of moves and swaps off the critical replica, then seeded restarts.
+// Mirrors dcp_ext/assign/ref_balance.py operation for operation (same results).
+#include "assign_kernels.hpp"
+
+namespace dcp {
+namespace {
+
+struct Type {
+  Params p;
+  std::vector<int> reps;
+};
+
+std::vector<Type> replica_types(const std::vector<Params>& params) {
+  std::vector<Type> out;
+  for (int r = 0; r < static_cast<int>(params.size()); ++r) {
+    bool found = false;
+    for (auto& t : out) {
+      if (t.p == params[r]) {
+        t.reps.push_back(r);
+        found = true;
+        break;
+      }
+    }
+    if (!found) out.push_back(Type{params[r], {r}});
+  }
+  return out;
+}
+
+struct State {
+  std::vector<double> W, mx, est;
+  std::vector<int64_t> T;
+  std::vector<std::vector<Item>> mem;
+  explicit State(size_t R) : W(R, 0.0), mx(R, 0.0), est(R, 0.0), T(R, 0), mem(R) {}
+};
+
+// Min-heap of (estimate, replica); only its top ever changes (and only upwards).
+struct Heap {
+  std::vector<std::pair<double, int>> h;
+  static bool less(const std::pair<double, int>& x, const std::pair<double, int>& y) {
+    return x.first < y.first || (x.first == y.first && x.second < y.second);
+  }
+  void replace_top(std::pair<double, int> v) {
+    size_t i = 0, n = h.size();
+    for (;;) {
+      size_t l = 2 * i + 1, r = l + 1, m = i;
+      const std::pair<double, int>* best = &v;
+      if (l < n && less(h[l], *best)) m = l, best = &h[l];
+      if (r < n && less(h[r], *best)) m = r, best = &h[r];
+      if (m == i) break;
+      h[i] = h[m];
+      i = m;
+    }
+    h[i] = v;
+  }
+};
+
+State greedy(const int64_t* len, const std::vector<Params>& params, const std::vector<Type>& types,
+             const std::vector<int64_t>& order, bool already_sorted) {
+  State st(params.size());
+  std::vector<Heap> heaps(types.size());
+  std::vector<int64_t> caps(types.size());
+  for (size_t t = 0; t < types.size(); ++t) {
+    for (int r : types[t].reps) heaps[t].h.emplace_back(0.0, r);
+    caps[t] = types[t].p.cap();
+  }
+  for (int64_t i : order) {
+    const int64_t s = len[i];
+    double best_val = kInf, best_c = 0.0, best_m = 0.0;
+    int best_r = -1;
+    size_t best_t = 0;
+    for (size_t t = 0; t < types.size(); ++t) {
+      if (s > caps[t]) continue;
+      const int r = heaps[t].h[0].second;
+      const Params& p = types[t].p;
+      const double c = seq_cost(p, s);
+      const double m2 = c > st.mx[r] ? c : st.mx[r];
+      const double val = estimate(p, st.W[r] + c, st.T[r] + s, m2, static_cast<int64_t>(st.mem[r].size()) + 1);
+      if (val < best_val || (val == best_val && r < best_r)) {
+        best_val = val, best_r = r, best_t = t, best_c = c, best_m = m2;
+      }
+    }
+    const int r = best_r;
+    st.W[r] += best_c;
+    st.T[r] += s;
+    st.mx[r] = best_m;
+    st.est[r] = best_val;
+    st.mem[r].push_back(Item{s, i});
+    heaps[best_t].replace_top({best_val, r});
+  }
+  if (!already_sorted)
+    for (auto& m : st.mem) std::sort(m.begin(), m.end(), item_before);
+  return st;
+}
+
+void recompute(State& st, const std::vector<Params>& params) {
+  for (size_t r = 0; r < params.size(); ++r) {
+    const Params& p = params[r];
+    double W = 0.0;
+    int64_t T = 0;
+    for (const Item& it : st.mem[r]) {
+      W += seq_cost(p, it.len);
+      T += it.len;
+    }
+    st.W[r] = W;
+    st.T[r] = T;
+    st.mx[r] = st.mem[r].empty() ? 0.0 : seq_cost(p, st.mem[r][0].len);
+    st.est[r] = estimate(p, W, T, st.mx[r], static_cast<int64_t>(st.mem[r].size()));
+  }
+}
+
+struct Step {
+  bool found = false, swap = false;
+  int r = -1;
+  int64_t p = -1, q = -1;
+  double a = 0.0, b = 0.0;
+};
+
+class Search {
+ public:
+  Search(State& st, const std::vector<Params>& P, int64_t budget) : st_(st), P_(P), budget_(budget) {
+    for (const auto& p : P) caps_.push_back(p.cap());
+  }
+
+  void run() {
+    const int R = static_cast<int>(P_.size());
+    while (evals_ < budget_) {
+      int c = 0;
+      for (int r = 1; r < R; ++r)
+        if (st_.est[r] > st_.est[c]) c = r;
+      const double Mk = st_.est[c];
+      if (!(Mk > 0.0)) return;
+      const double thr = Mk - Mk * kRelTol;
+      Step best = best_move(c, thr);
+      if (!best.found) best = best_swap(c, thr);
+      if (!best.found) return;
+      apply(c, best);
+    }
+  }
+
+ private:
+  double est(const Params& p, double W, int64_t T, double m, int64_t n) {
+    ++evals_;
+    return estimate(p, W, T, m, n);
+  }
+  double max_after_removal(int r, int64_t pos) const {
+    if (pos != 0) return st_.mx[r];
+    return st_.mem[r].size() > 1 ? seq_cost(P_[r], st_.mem[r][1].len) : 0.0;
+  }
+
+  Step best_move(int c, double thr) {
+    const Params& pc = P_[c];
+    const auto& memc = st_.mem[c];
+    const int64_t nc = static_cast<int64_t>(memc.size());
+    double best_val = thr;
+    Step best;
+    for (int r = 0; r < static_cast<int>(P_.size()); ++r) {
+      if (r == c) continue;
+      const Params& pr = P_[r];
+      const int64_t lo = first_at_most(memc, caps_[r]);
+      if (lo >= nc) continue;
+      const int64_t nr = static_cast<int64_t>(st_.mem[r].size());
+      auto A = [&](int64_t p) {
+        const int64_t l = memc[p].len;
+        return est(pc, st_.W[c] - seq_cost(pc, l), st_.T[c] - l, max_after_removal(c, p), nc - 1);
+      };
+      auto B = [&](int64_t p) {
+        const int64_t l = memc[p].len;
+        const double cr = seq_cost(pr, l);
+        const double m2 = cr > st_.mx[r] ? cr : st_.mx[r];
+        return est(pr, st_.W[r] + cr, st_.T[r] + l, m2, nr + 1);
+      };
+      const int64_t ps = crossing(A, B, lo, nc);
+      for (int64_t p : {ps - 1, ps}) {
+        if (lo <= p && p < nc) {
+          const double a = A(p);
+          const double b = B(p);
+          const double val = a > b ? a : b;
+          if (val < best_val) {
+            best_val = val;
+            best = Step{true, false, r, p, -1, a, b};
+          }
+        }
+      }
+    }
+    return best;
+  }
+
+  Step best_swap(int c, double thr) {
+    const Params& pc = P_[c];
+    const auto& memc = st_.mem[c];
+    const int64_t nc = static_cast<int64_t>(memc.size());
+    double best_val = thr;
+    Step best;
+    for (int r = 0; r < static_cast<int>(P_.size()); ++r) {
+      if (r == c) continue;
+      const Params& pr = P_[r];
+      const auto& memr = st_.mem[r];
+      const int64_t nr = static_cast<int64_t>(memr.size());
+      const int64_t lo = first_at_most(memc, caps_[r]);
+      for (int64_t q = 0; q < nr; ++q) {
+        const int64_t lj = memr[q].len;
+        if (q > 0 && lj == memr[q - 1].len) continue;
+        if (evals_ >= budget_) return best;
+        if (lj > caps_[c]) continue;
+        const int64_t hi = first_at_most(memc, lj);
+        if (lo >= hi) continue;
+        const double cj_c = seq_cost(pc, lj);
+        const double cj_r = seq_cost(pr, lj);
+        const double mr_after = max_after_removal(r, q);
+        auto A = [&](int64_t p) {
+          const int64_t li = memc[p].len;
+          const double m_after = max_after_removal(c, p);
+          const double m_new = cj_c > m_after ? cj_c : m_after;
+          return est(pc, st_.W[c] - seq_cost(pc, li) + cj_c, st_.T[c] - li + lj, m_new, nc);
+        };
+        auto B = [&](int64_t p) {
+          const int64_t li = memc[p].len;
+          const double ci_r = seq_cost(pr, li);
+          const double m_new = ci_r > mr_after ? ci_r : mr_after;
+          return est(pr, st_.W[r] - cj_r + ci_r, st_.T[r] - lj + li, m_new, nr);
+        };
+        const int64_t ps = crossing(A, B, lo, hi);
+        for (int64_t p : {ps - 1, ps}) {
+          if (lo <= p && p < hi) {
+            const double a = A(p);
+            const double b = B(p);
+            const double val = a > b ? a : b;
+            if (val < best_val) {
+              best_val = val;
+              best = Step{true, true, r, p, q, a, b};
+            }
+          }
+        }
+      }
+    }
+    return best;
+  }
+
+  void apply(int c, const Step& s) {
+    const int r = s.r;
+    const Params& pc = P_[c];
+    const Params& pr = P_[r];
+    auto& memc = st_.mem[c];
+    auto& memr = st_.mem[r];
+    const Item it = memc[s.p];
+    const int64_t li = it.len;
+    if (!s.swap) {
+      st_.W[c] = st_.W[c] - seq_cost(pc, li);
+      st_.T[c] -= li;
+      st_.W[r] = st_.W[r] + seq_cost(pr, li);
+      st_.T[r] += li;
+      memc.erase(memc.begin() + s.p);
+      insert_sorted(memr, it);
+    } else {
+      const Item jt = memr[s.q];
+      const int64_t lj = jt.len;
+      st_.W[c] = st_.W[c] - seq_cost(pc, li) + seq_cost(pc, lj);
+      st_.T[c] += lj - li;
+      st_.W[r] = st_.W[r] - seq_cost(pr, lj) + seq_cost(pr, li);
+      st_.T[r] += li - lj;
+      memc.erase(memc.begin() + s.p);
+      memr.erase(memr.begin() + s.q);
+      insert_sorted(memc, jt);
+      insert_sorted(memr, it);
+    }
+    for (int x : {c, r}) st_.mx[x] = st_.mem[x].empty() ? 0.0 : seq_cost(P_[x], st_.mem[x][0].len);
+    st_.est[c] = s.a;
+    st_.est[r] = s.b;
+  }
+
+  State& st_;
+  const std::vector<Params>& P_;
+  std::vector<int64_t> caps_;
+  int64_t budget_;
+  int64_t evals_ = 0;
+};
+
+double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+
+}  // namespace
+
+BalanceOut balance(const int64_t* len, int64_t n, const std::vector<Params>& params, uint64_t seed, int64_t restarts,
+                   bool local_search, int64_t budget) {
+  const std::vector<Type> types = replica_types(params);
+  SplitMix64 rng(seed);
+  const std::vector<int64_t> order0 = sorted_order(len, n);
+  State best(params.size());
+  double best_ms = kInf, greedy_ms = 0.0;
+  bool have = false;
+  for (int64_t attempt = 0; attempt <= restarts; ++attempt) {
+    State st = attempt == 0 ? greedy(len, params, types, order0, true)
+                            : greedy(len, params, types, perturbed_order(len, n, rng), false);
+    recompute(st, params);
+    if (attempt == 0) greedy_ms = max_of(st.est);
+    if (local_search) {
+      Search(st, params, budget).run();
+      recompute(st, params);
+    }
+    const double ms = max_of(st.est);
+    if (!have || ms < best_ms) {
+      best = std::move(st);
+      best_ms = ms;
+      have = true;
+    }
+  }
+  BalanceOut out;
+  out.assignment.assign(n, 0);
+  for (size_t r = 0; r < params.size(); ++r)
+    for (const Item& it : best.mem[r]) out.assignment[it.idx] = static_cast<int64_t>(r);
+  out.est = best.est;
+  out.makespan = best_ms;
+  out.greedy_makespan = greedy_ms;
+  return out;
+}
+
+}  // namespace dcp
