@@ -57,7 +57,11 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
         if len(docs) == 0 or int(docs.lengths.sum()) == 0:
             raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
         docs.check_vocab(int(tokenizer.vocab_size))
-    sizes = [None if be is None else (None if n is None else int(n)) for be, n in zip(bookends, num_samples)]
+    if len(num_samples) != 3:
+        raise DataError("num_samples must be (train, valid, test)")
+    sizes = [None if n is None else int(n) for n in num_samples]
+    if weights is not None and any(n is None for n, be in zip(sizes, bookends) if be is not None):
+        raise DataError("a weighted --data-path blend needs a sample count for every non-empty split")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

@@ -239,3 +239,19 @@ class DocumentWriter:
             for p in (bin_path(base), idx_path(base), meta_path(base)):
                 if os.path.exists(p):
                     os.remove(p)
+
+
+def write_documents(prefix: str, docs, vocab_size: int, loss_masks=None, meta: dict | None = None) -> str:
+    """Write token-id documents (lists/arrays) as a dataset at `prefix`; return the prefix.
+
+    For tests, benchmarks and synthetic data; preprocessing goes through the same writer.
+    """
+    w = DocumentWriter(prefix, vocab_size, loss_mask=loss_masks is not None)
+    try:
+        for k, d in enumerate(docs):
+            w.add(d, None if loss_masks is None else loss_masks[k])
+        w.finalize(meta)
+    except BaseException:
+        w.abort()
+        raise
+    return prefix

@@ -1,0 +1,48 @@
+"""The demo corpus: stdlib sources, byte-level, cached, built once when ranks race."""
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+from dcp_ext.data import demo_corpus
+from dcp_ext.data.demo_corpus import ensure_demo_corpus, stdlib_files
+from dcp_ext.data.indexed import IndexedDocuments
+
+N = 25
+
+
+def _ensure(cache):
+    return ensure_demo_corpus(cache, max_files=N)
+
+
+def test_selection_is_sorted_real_sources():
+    files = stdlib_files(N)
+    assert len(files) == N and files == stdlib_files(N)
+    assert all(f.endswith(".py") and "/test/" not in f and "site-packages" not in f for f in files)
+
+
+def test_built_once_under_concurrent_calls(tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    orig = demo_corpus._build
+
+    def counting(prefix, files):
+        with open(calls, "a") as f:
+            f.write("x")
+        time.sleep(0.3)  # let the other processes arrive while this one builds
+        orig(prefix, files)
+
+    monkeypatch.setattr(demo_corpus, "_build", counting)
+    with mp.get_context("fork").Pool(4) as pool:
+        prefixes = pool.map(_ensure, [str(tmp_path / "cache")] * 4)
+    assert len(set(prefixes)) == 1 and calls.read_text() == "x"
+    docs = IndexedDocuments(prefixes[0])
+    sizes = [os.path.getsize(f) for f in stdlib_files(N)]
+    assert docs.lengths.tolist() == [s + 1 for s in sizes if s > 0]  # bytes + EOD
+    first = next(f for f in stdlib_files(N) if os.path.getsize(f) > 0)
+    assert docs.tokens(0)[:-1].astype(np.uint8).tobytes() == open(first, "rb").read()
+    assert docs.tokens(0)[-1] == 256
+    assert not [p for p in os.listdir(os.path.dirname(prefixes[0])) if ".tmp" in p]
+    # cached: a second call returns at once without building
+    assert ensure_demo_corpus(str(tmp_path / "cache"), max_files=N) == prefixes[0]
+    assert calls.read_text() == "x"
