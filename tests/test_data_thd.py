@@ -108,3 +108,23 @@ def test_invariants(lengths, each, total):
         assert b.position_ids[s:s + n].tolist() == list(range(n))
         assert b.loss_mask[s + n - 1:cup[k + 1]].sum() == 0
     assert int(b.position_ids.max()) < max(b.max_seqlen, 1)
+
+
+class LengthsDataset(FakeDataset):
+    has_loss_mask = False
+
+    def lengths_of(self, ids):
+        return np.array([len(self.docs[i]) for i in ids])
+
+
+def test_num_loss_tokens_matches_the_packed_batches():
+    from dcp_ext.data.thd import num_loss_tokens
+
+    ds = FakeDataset()
+    ds.docs = {0: np.array([1, 2, EOD, 3]), 1: np.array([EOD, 5])}
+    ds.loss_mask = lambda i: np.array([0, 1, 1, 1]) if i == 0 else np.array([1, 1])
+    for eod_mask in (False, True):
+        packed = materialize(ds, [0, 1], eod_mask_loss=eod_mask, eod=EOD, pad_each_to=4)
+        assert num_loss_tokens(ds, [0, 1], eod_mask_loss=eod_mask, eod=EOD) == packed.num_loss_tokens
+    plain = LengthsDataset()
+    assert num_loss_tokens(plain, [3, 8]) == materialize(plain, [3, 8]).num_loss_tokens == 3

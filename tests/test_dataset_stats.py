@@ -27,6 +27,8 @@ def test_padding_overhead_figures():
     assert f["pad_multiple"] == 4 and f["thd_ours"] == pytest.approx((24 - 17) / 17)
     assert padding_overhead([3, 5, 8, 1], 8)["thd_ours"] == 0.0
     assert padding_overhead([4, 4], 8, tp=2)["pad_multiple"] == 2  # sequence parallel by default with tp
+    # concatenation: stream 3+5 in windows of 4 -> full causal 2 * 10 vs document pieces 3,1,4 -> 6+1+10
+    assert padding_overhead([3, 5], 4)["concat_attention"] == pytest.approx(20 / 17 - 1)
     # lengths are truncated to seq_length first
     assert padding_overhead([20], 8)["tokens"] == 8
 

@@ -82,13 +82,15 @@ def padding_overhead(lengths, seq_length: int, cp: int = 1, tp: int = 1, sequenc
     - pad_to_seq_length: each document its own sample padded to seq_length (SFT style).
     - packed_best_fit: documents packed into seq_length bins (best-fit decreasing), the
       rest padded (Megatron's packed-sequence SFT).
-    - concat_attention: Megatron pretraining concatenates documents (no padding) but
-      attends across them: extra causal attention work vs per-document attention.
+    - concat_attention: Megatron pretraining concatenates whole documents (no padding,
+      no truncation) into seq_length windows and attends across documents: its extra
+      causal attention work over the same windows with a per-document mask.
     - thd_ours: THD, each document padded to a multiple of lcm(2*cp, tp) (tp only with
       sequence parallel, the default when tp > 1).
     """
-    L = np.minimum(np.asarray(lengths, dtype=np.int64), seq_length)
-    L = L[L > 0]
+    full = np.asarray(lengths, dtype=np.int64)
+    full = full[full > 0]
+    L = np.minimum(full, seq_length)
     real = int(L.sum())
     if real == 0:
         raise ValueError("no tokens")
@@ -98,9 +100,13 @@ def padding_overhead(lengths, seq_length: int, cp: int = 1, tp: int = 1, sequenc
     q = a * b // math.gcd(a, b)
     thd_slots = int((-(-L // q) * q).sum())
     bins = _count_bins(L, seq_length)
-    concat_samples = math.ceil(real / seq_length)
-    concat_attn = concat_samples * seq_length * (seq_length + 1) / 2
-    doc_attn = float((L * (L + 1) / 2).sum())
+    # windows over the concatenation; pieces = documents cut at window edges
+    stream = int(full.sum())
+    cuts = np.union1d(np.cumsum(full), np.arange(seq_length, stream, seq_length, dtype=np.int64))
+    pieces = np.diff(np.concatenate([[0], cuts])).astype(np.float64)
+    concat_attn = (stream // seq_length) * seq_length * (seq_length + 1) / 2 + \
+        (stream % seq_length) * (stream % seq_length + 1) / 2
+    doc_attn = float((pieces * (pieces + 1) / 2).sum())
     return {
         "documents": int(L.size), "tokens": real, "seq_length": int(seq_length), "cp": cp, "tp": tp,
         "pad_multiple": q,

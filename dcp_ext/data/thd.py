@@ -135,10 +135,23 @@ def materialize(dataset, sample_ids, **kwargs) -> ThdBatch:
 
 
 def num_loss_tokens(dataset, sample_ids, eod_mask_loss: bool = False, eod: int | None = None) -> int:
-    """Loss tokens of samples without packing them: the global batch's loss divisor (DESIGN.md)."""
+    """Loss tokens of samples, as build_micro_batch counts them, without packing them.
+
+    The global batch's loss divisor (DESIGN.md, "Loss"), known before the iteration runs.
+    Plain data without --eod-mask-loss needs only the lengths (sum of L - 1, no .bin read).
+    """
+    ids = [int(i) for i in sample_ids]
+    masked = getattr(dataset, "has_loss_mask", False)
+    if not masked and not eod_mask_loss:
+        return int(sum(int(n) - 1 for n in dataset.lengths_of(ids)))
     total = 0
-    for i in sample_ids:
-        b = build_micro_batch([dataset[int(i)]], [dataset.loss_mask(int(i))] if getattr(
-            dataset, "has_loss_mask", False) else None, eod_mask_loss=eod_mask_loss, eod=eod)
-        total += b.num_loss_tokens
+    for i in ids:
+        doc = np.asarray(dataset[i])
+        m = np.ones(doc.size, dtype=bool)
+        m[-1] = False
+        if masked:
+            m[:-1] &= np.asarray(dataset.loss_mask(i))[1:] != 0
+        if eod_mask_loss:
+            m &= doc != eod
+        total += int(m.sum())
     return total

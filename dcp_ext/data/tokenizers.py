@@ -75,7 +75,7 @@ class ByteLevelTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Megatron's NullTokenizer: text is space-separated ids; EOD = vocab_size - 1.
+    """Megatron's NullTokenizer: text is space-separated ids.
 
     As in Megatron, `--vocab-size V` gives ids 0..V-1 for text and EOD = V (vocab_size V+1).
     """
