@@ -69,3 +69,39 @@ def test_unknown_tokenizer_and_missing_hf_path(tmp_path):
                                                (257, 128, 1, 384), (256, 128, 1, 256), (32000, 64, 8, 32256)])
 def test_padded_vocab_size_matches_megatron(vocab, div, tp, want):
     assert padded_vocab_size(vocab, div, tp) == want
+
+
+def test_huggingface_wrapper_stays_local(tmp_path, monkeypatch):
+    """transformers is not a dependency: a stand-in module checks what the wrapper asks of it."""
+    import sys
+    import types
+
+    seen = {}
+
+    class FakeHF:
+        eos_token_id = 2
+
+        def __len__(self):
+            return 10
+
+        def encode(self, text, add_special_tokens):
+            assert add_special_tokens is False
+            return [3 + (ord(c) % 7) for c in text]
+
+        def decode(self, ids):
+            return "<%d>" % len(ids)
+
+    class AutoTokenizer:
+        @staticmethod
+        def from_pretrained(path, local_files_only):
+            seen.update(path=path, local=local_files_only)
+            return FakeHF()
+
+    fake = types.ModuleType("transformers")
+    fake.AutoTokenizer = AutoTokenizer
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    (tmp_path / "tok").mkdir()
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tok"))
+    assert seen == {"path": str(tmp_path / "tok"), "local": True}
+    assert (tok.vocab_size, tok.eod) == (10, 2) and tok.tokenize("ab") == [3 + 97 % 7, 3 + 98 % 7]
+    assert tok.unique_identifiers["class"] == "HuggingFaceTokenizer"

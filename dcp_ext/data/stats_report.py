@@ -126,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len = args.max_seq_len or args.seq_length
         text, figures = report(lengths, name, args.seq_length, max_seq_len, args.cp, args.tp)
         png = args.png or "dataset_stats.png"
-        plot(lengths, png, name)
         print(text)
-        print(f"\nhistogram image: {png}")
+        try:
+            plot(lengths, png, name)
+            print(f"\nhistogram image: {png}")
+        except ImportError:
+            print("\nno histogram image: `pip install matplotlib` for one")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f, indent=1)
