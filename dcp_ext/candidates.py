@@ -1,0 +1,402 @@
+"""Candidate layouts: a small pool (<= 16) of ways to partition the world into replicas.
+
+Why it exists: choosing replica types per iteration from scratch is too slow and would
+need process groups for every possible layout. Like Hydraulis, we decide once per run,
+from the dataset's length histogram, which heterogeneous layouts are worth having; each
+iteration then only picks among them (`dcp_ext.planners.adaptive`).
+
+How: (1) keep the replica types that are Pareto-optimal somewhere on the length range in
+(device-seconds per document, time of the document alone); (2) for batches drawn from
+the histogram, a dynamic program over those types (longest documents to the fastest
+types, contiguous length ranges, bisection on the iteration time) gives the layout that
+batch wants; (3) from those layouts, a greedy cover keeps the few that together serve
+all sample batches best, plus one that can hold a max-length sequence.
+
+The water-filling estimate (`screen`) is also what the per-iteration planner uses to rank
+the pool quickly before planning the best candidates in full.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dcp_ext.cost_model import CostModel, Layout
+from dcp_ext.planners.common import (
+    DocCosts,
+    PlanningError,
+    TypeTable,
+    canonical,
+    doc_costs,
+    pipeline_capacity,
+)
+
+Counts = tuple[tuple[Layout, int], ...]
+BIG = 1e30
+
+
+@dataclass
+class TypeOnBatch:
+    tt: TypeTable
+    cost: np.ndarray  # sorted order (longest first)
+    alone: np.ndarray
+    rs: np.ndarray
+    cum: np.ndarray  # len n+1, BIG-substituted
+    first_ok: int  # first sorted position the layout can hold
+    c0: float
+
+
+class BatchPrep:
+    """One batch's documents sorted longest first, with per-layout cost tables."""
+
+    def __init__(self, cm: CostModel, tables: dict[Layout, TypeTable], lengths: Sequence[int]):
+        self.cm = cm
+        self.s = np.asarray(lengths, dtype=np.int64)
+        self.order = np.argsort(-self.s, kind="stable")
+        self.ss = self.s[self.order]
+        self.n = len(self.s)
+        self.types: dict[Layout, TypeOnBatch] = {}
+        self.tables = tables
+        self._sync: dict[tuple[Layout, int], float] = {}
+        for lay, tt in tables.items():
+            self.add(lay, tt)
+
+    def add(self, lay: Layout, tt: TypeTable) -> TypeOnBatch:
+        got = self.types.get(lay)
+        if got is not None:
+            return got
+        dc: DocCosts = doc_costs(self.cm, tt, self.ss)
+        fin = np.isfinite(dc.cost)
+        first_ok = int(np.argmax(fin)) if fin.any() else self.n
+        if fin.any() and not fin[first_ok:].all():  # pragma: no cover - sorted: misfits are a prefix
+            first_ok = self.n
+        c = np.where(fin, dc.cost, BIG)
+        cum = np.concatenate([[0.0], np.cumsum(c)])
+        tob = TypeOnBatch(tt, dc.cost, dc.alone, dc.rs, cum, first_ok, self.cm.coeffs(lay, 0).c0)
+        self.types[lay] = tob
+        return tob
+
+    def sync(self, lay: Layout, num_replicas: int | None) -> float:
+        key = (lay, num_replicas or 0)
+        v = self._sync.get(key)
+        if v is None:
+            v = self.cm.sync_time(lay, num_replicas)
+            self._sync[key] = v
+        return v
+
+
+# ---------------------------------------------------------------------------- screening
+def _type_order(prep: BatchPrep, layouts: Sequence[Layout]) -> list[Layout]:
+    def key(l: Layout):
+        t = prep.types[l]
+        a0 = t.alone[0] if prep.n and t.first_ok == 0 else math.inf
+        return (a0, -l.size, -l.tp, -l.cp, -l.pp)
+
+    return sorted(layouts, key=key)
+
+
+def _fill(prep: BatchPrep, order: Sequence[tuple[Layout, int, float]], T: float) -> tuple[bool, list[int]]:
+    """Water-filling at iteration time T: each type (in order) takes the longest remaining
+    documents up to its capacity. Returns (all placed, boundaries per type)."""
+    pos, n = 0, prep.n
+    bounds = []
+    for lay, cnt, sync in order:
+        t = prep.types[lay]
+        if pos >= n:
+            bounds.append(pos)
+            continue
+        room = T - sync
+        if room <= 0 or pos < t.first_ok or t.alone[pos] + sync > T:
+            bounds.append(pos)
+            continue
+        wp = pipeline_capacity(room, lay.pp, t.c0)
+        if lay.pp > 1:
+            # the replica holding a document pays ~(pp-1) times its cost in bubble
+            big = t.cost[pos : pos + cnt]
+            w = float(np.minimum(wp, room - (lay.pp - 1) * big).clip(min=0).sum()) + wp * max(0, cnt - len(big))
+        else:
+            w = wp * cnt
+        end = int(np.searchsorted(t.cum, t.cum[pos] + w, side="right")) - 1
+        pos = max(pos, min(end, n))
+        bounds.append(pos)
+    return pos >= n, bounds
+
+
+def screen(prep: BatchPrep, counts: Counts, rel_tol: float = 2e-3, lo: float = 0.0) -> tuple[float, list[tuple[Layout, int, float]], list[int]]:
+    """Estimated iteration time of `counts` on this batch (inf if it cannot run it), the
+    type order used and the document boundaries per type at that time."""
+    R = sum(c for _, c in counts)
+    lays = _type_order(prep, [l for l, _ in counts])
+    cnt = dict(counts)
+    order = [(l, cnt[l], prep.sync(l, R)) for l in lays]
+    if prep.n == 0:
+        return max((s for _, _, s in order), default=0.0), order, [0] * len(order)
+    # the longest document must be held by someone
+    lo = max(lo, min((prep.types[l].alone[0] + s for l, _, s in order if prep.types[l].first_ok == 0), default=math.inf))
+    if not math.isfinite(lo):
+        return math.inf, order, []
+    ok, b = _fill(prep, order, lo)
+    if ok:
+        return lo, order, b
+    hi = lo * 1.5 + 1e-9
+    for _ in range(40):
+        ok, b = _fill(prep, order, hi)
+        if ok:
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return math.inf, order, []
+    for _ in range(40):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if _fill(prep, order, mid)[0]:
+            hi = mid
+        else:
+            lo = mid
+    ok, b = _fill(prep, order, hi)
+    return hi, order, b
+
+
+# ---------------------------------------------------------------------------- type pruning
+def prune_types(cm: CostModel, tables: dict[Layout, TypeTable], lengths: np.ndarray, t_ref: float, keep: int = 14) -> list[Layout]:
+    """Layouts that are Pareto-optimal in (effective device-seconds, alone time) for some
+    length of the sample's range, the smallest layouts (to fill leftover devices), and the
+    fastest holder of the longest length."""
+    qs = [0.05, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0]
+    grid = np.unique(np.quantile(lengths, qs).round().astype(np.int64))
+    grid = grid[grid > 0]
+    votes: dict[Layout, int] = {}
+    layouts = list(tables)
+    eff = np.full((len(layouts), len(grid)), np.inf)
+    alone = np.full((len(layouts), len(grid)), np.inf)
+    for j, lay in enumerate(layouts):
+        tt = tables[lay]
+        dc = doc_costs(cm, tt, grid)
+        sync = cm.sync_time(lay, None)
+        frac = max(1e-3, 1.0 - sync / t_ref) if t_ref > 0 else 1.0
+        eff[j] = lay.size * dc.cost / frac
+        alone[j] = dc.alone + sync
+    for g in range(len(grid)):
+        pts = [(eff[j, g], alone[j, g], j) for j in range(len(layouts)) if np.isfinite(eff[j, g])]
+        pts.sort()
+        best_alone = math.inf
+        for e, a, j in pts:
+            if a < best_alone - 1e-12:
+                best_alone = a
+                # only layouts that can finish the document within a plausible iteration
+                if a <= 1.5 * t_ref or a == min(p[1] for p in pts):
+                    votes[layouts[j]] = votes.get(layouts[j], 0) + 1
+    chosen = sorted(votes, key=lambda l: (-votes[l], l.size))[:keep]
+    # smallest layouts that fit, so leftover devices can always be used
+    min_size = min(l.size for l in layouts)
+    small = [l for l in layouts if l.size == min_size]
+    small.sort(key=lambda l: eff[layouts.index(l)][np.isfinite(eff[layouts.index(l)])].mean() if np.isfinite(eff[layouts.index(l)]).any() else math.inf)
+    if small and small[0] not in chosen:
+        chosen.append(small[0])
+    return chosen
+
+
+# ---------------------------------------------------------------------------- DP per batch
+def _bins(prep: BatchPrep, ref: TypeOnBatch, singles: int = 16, groups: int = 48) -> np.ndarray:
+    n = prep.n
+    head = min(n, singles)
+    b = list(range(head + 1))
+    if n > head:
+        c = np.where(np.isfinite(ref.cost[head:]), ref.cost[head:], 0.0) + 1e-12
+        cs = np.cumsum(c)
+        targets = np.linspace(0, cs[-1], groups + 1)[1:-1]
+        idx = head + 1 + np.searchsorted(cs, targets, side="left")
+        b.extend(int(i) for i in idx)
+        b.append(n)
+    return np.unique(np.asarray(b, dtype=np.int64))
+
+
+def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float, rel_tol: float = 5e-3) -> tuple[Counts, float]:
+    """The layout (counts per type) this batch wants, by bisection on the iteration time
+    with a DP over types (in order) and contiguous document ranges (bins)."""
+    order = _type_order(prep, layouts)
+    order = [l for l in order if prep.types[l].first_ok < prep.n or prep.n == 0]
+    if not order:
+        raise PlanningError("no layout can hold any document of this batch")
+    ref = min((prep.types[l] for l in order), key=lambda t: t.tt.size * float(np.nanmean(np.where(np.isfinite(t.cost), t.cost, np.nan))) if np.isfinite(t.cost).any() else math.inf)
+    B = _bins(prep, ref)
+    nb = len(B) - 1
+    tri = np.triu(np.ones((nb + 1, nb + 1), dtype=bool), 1)
+
+    def solve(T: float):
+        f_next = np.full(nb + 1, np.inf)
+        f_next[nb] = 0.0
+        choices = []
+        for lay in reversed(order):
+            t = prep.types[lay]
+            sync = prep.sync(lay, None)
+            w = pipeline_capacity(T - sync, lay.pp, t.c0)
+            cumB = t.cum[B]
+            start = B[:-1]
+            ok_start = np.zeros(nb + 1, dtype=bool)
+            ok_start[:-1] = (start >= t.first_ok) & (t.alone[np.minimum(start, prep.n - 1)] + sync <= T)
+            if w <= 0:
+                f = f_next.copy()
+                choices.append((lay, np.arange(nb + 1), np.zeros(nb + 1)))
+                f_next = f
+                continue
+            diff = cumB[None, :] - cumB[:, None]
+            if lay.pp > 1:  # bubble of the range's longest document
+                first = t.cost[np.minimum(B, prep.n - 1)]
+                diff = diff + (lay.pp - 1) * np.where(np.isfinite(first), first, BIG)[:, None]
+            q = np.ceil(diff / w - 1e-12)
+            q = np.maximum(q, 1.0)
+            gpus = q * lay.size + f_next[None, :]
+            valid = tri & ok_start[:, None] & (q <= world // lay.size) & (diff < BIG / 2)
+            gpus = np.where(valid, gpus, np.inf)
+            stay = f_next.copy()  # take nothing
+            best_e = np.argmin(gpus, axis=1)
+            best = gpus[np.arange(nb + 1), best_e]
+            use = best < stay
+            f = np.where(use, best, stay)
+            e_choice = np.where(use, best_e, np.arange(nb + 1))
+            q_choice = np.where(use, q[np.arange(nb + 1), best_e], 0)
+            choices.append((lay, e_choice, q_choice))
+            f_next = f
+        return f_next[0], list(reversed(choices))
+
+    hi = max(lo, 1e-9)
+    for _ in range(60):
+        need, ch = solve(hi)
+        if need <= world:
+            break
+        lo, hi = hi, hi * 1.25
+    else:
+        raise PlanningError("no layout found for a batch (DP diverged)")
+    for _ in range(40):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if solve(mid)[0] <= world:
+            hi = mid
+        else:
+            lo = mid
+    _, ch = solve(hi)
+    counts: dict[Layout, int] = {}
+    i = 0
+    for lay, e_choice, q_choice in ch:
+        q = int(q_choice[i])
+        if q > 0:
+            counts[lay] = counts.get(lay, 0) + q
+        i = int(e_choice[i])
+    return canonical(counts), hi
+
+
+def fill_leftover(prep: BatchPrep, counts: Counts, options: Sequence[Layout], world: int) -> Counts:
+    """Give unused devices to the type whose extra replica helps this batch most."""
+    used = sum(l.size * c for l, c in counts)
+    cur = dict(counts)
+    while used < world:
+        left = world - used
+        best = None
+        for lay in options:
+            if lay.size > left:
+                continue
+            trial = dict(cur)
+            trial[lay] = trial.get(lay, 0) + 1
+            t = screen(prep, canonical(trial))[0]
+            key = (t, -lay.size)
+            if best is None or key < best[0]:
+                best = (key, lay)
+        if best is None:
+            raise PlanningError(f"{left} devices left that no layout can use")
+        cur[best[1]] = cur.get(best[1], 0) + 1
+        used += best[1].size
+    return canonical(cur)
+
+
+# ---------------------------------------------------------------------------- the pool
+@dataclass
+class Pool:
+    layouts: list[Counts]
+    types: list[Layout]  # types the DP considered (pruned)
+    sample_times: np.ndarray  # [layouts, sample batches] screening estimates
+    dp_layouts: list[Counts]
+
+
+def build_pool(
+    cm: CostModel,
+    tables: dict[Layout, TypeTable],
+    batches: Sequence[np.ndarray],
+    max_seq_len: int,
+    max_layouts: int = 16,
+    progress: Callable[[int, int], None] | None = None,
+    prune: bool = False,
+) -> Pool:
+    """Pick <= max_layouts layouts for the run (see the module docstring)."""
+    from dcp_ext.simulator import lower_bound
+
+    world = cm.cluster.num_gpus
+    all_lens = np.concatenate([np.asarray(b) for b in batches]) if batches else np.array([max_seq_len])
+    holders = [l for l, t in tables.items() if t.max_doc >= max_seq_len]
+    if not holders:
+        best = max(tables.values(), key=lambda t: t.max_doc) if tables else None
+        longest = int(best.max_doc) if best else 0
+        raise PlanningError(
+            f"a sequence of {max_seq_len} tokens fits no layout of {cm.cluster.name} for {cm.model.name}; "
+            f"the longest that fits is {longest} tokens" + (f" ({best.layout})" if best else "")
+        )
+    lbs = []
+    preps = []
+    for b in batches:
+        preps.append(BatchPrep(cm, tables, b))
+        lbs.append(lower_bound(cm, b, layouts=list(tables)))
+    t_ref = float(np.median(lbs)) if lbs else 1.0
+    types = prune_types(cm, tables, np.append(all_lens, max_seq_len), t_ref) if prune else list(tables)
+    # the max-length holder that finishes it fastest must be available
+    fastest_holder = min(holders, key=lambda l: (doc_costs(cm, tables[l], np.array([max_seq_len])).alone[0] + cm.sync_time(l, None), -l.size))
+    if fastest_holder not in types:
+        types.append(fastest_holder)
+    found: list[Counts] = []
+    synth = np.append(batches[0], max_seq_len) if batches else np.array([max_seq_len])
+    jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables)))]
+    for k, (prep, lb) in enumerate(jobs):
+        counts, _ = dp_layout(prep, types, world, lb)
+        counts = fill_leftover(prep, counts, types, world)
+        if counts not in found:
+            found.append(counts)
+        if progress:
+            progress(k + 1, len(jobs))
+    cover = found[-1] if len(jobs) > len(preps) else None
+    times = np.array([[screen(p, c)[0] for p in preps] for c in found]) if preps else np.zeros((len(found), 0))
+    chosen: list[int] = []
+    best = np.full(times.shape[1], np.inf)
+    while len(chosen) < min(max_layouts, len(found)):
+        scores = [np.minimum(best, times[i]).sum() if i not in chosen else np.inf for i in range(len(found))]
+        i = int(np.argmin(scores))
+        if not np.isfinite(scores[i]) and chosen:
+            break
+        gain = best.sum() - scores[i] if np.isfinite(best).all() else np.inf
+        if chosen and gain <= 1e-4 * best.sum():
+            break
+        chosen.append(i)
+        best = np.minimum(best, times[i])
+    pool = [found[i] for i in chosen]
+    if cover is not None and not any(any(tables[l].max_doc >= max_seq_len for l, _ in c) for c in pool):
+        if len(pool) >= max_layouts:
+            pool[-1] = cover
+        else:
+            pool.append(cover)
+    sel = [found.index(c) for c in pool]
+    return Pool(pool, types, times[sel] if len(times) else times, found)
+
+
+def stderr_progress(desc: str) -> Callable[[int, int], None]:
+    def cb(k: int, n: int) -> None:
+        width = 24
+        done = int(width * k / max(n, 1))
+        sys.stderr.write(f"\r{desc}: [{'#' * done}{'-' * (width - done)}] {k}/{n}")
+        if k >= n:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return cb

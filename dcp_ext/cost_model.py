@@ -1,0 +1,401 @@
+"""Time and memory of one micro-batch under a replica layout (tp, cp, pp, recompute).
+
+Why it exists: every planner, the baselines, the simulator and the lower bound must price
+the same work the same way, or comparisons between them mean nothing. This module is that
+single price list. It is analytic by default (FLOPs, bytes, bandwidths from the specs) and
+calibrated from a profile file (`dcp_ext.profile`) when one is given.
+
+Shape of the model. For one pipeline stage and one micro-batch holding documents s_i
+(T = sum s_i tokens, x = T / cp rows per device):
+
+    stage time = c0 + a * sum(s_i^2) + b * T + c * n_docs + cp_excess(sum s_i^2, T)
+
+  * b: GEMMs (3x forward work with the backward, +1x per recomputed layer), TP collectives
+    (all-gather/reduce-scatter with sequence parallel, all-reduce without: same bytes),
+    the output layer on the last stage, pipeline point-to-point;
+  * a: causal, document-masked attention (sum of s^2, never pack length^2), 2.5x forward
+    for the backward;
+  * c0: per micro-batch fixed cost: framework overhead, collective latencies and the GEMM
+    efficiency lost on few rows (modelled as `half_efficiency_tokens` extra rows per GEMM:
+    throughput x / (x + x_half), i.e. a constant per micro-batch);
+  * cp_excess >= 0: context-parallel key/value exchange (ring of 2*cp balanced chunks)
+    overlaps attention; only the part of it that attention cannot hide costs time.
+
+Everything except cp_excess is additive over documents, so a document's cost without the
+micro-batch constant and without cp_excess is a true lower bound of what it adds to any
+micro-batch: the simulator's lower bound relies on exactly that.
+
+Memory (bytes per device): parameter and gradient shards of the layout, the optimizer's
+fixed shard over all ranks, activations per token per layer with and without recompute,
+the micro-batches 1F1B keeps in flight (stage 0 holds a window of pp), and the transient
+output-layer logits. Recompute is counted in layers per stage (`rs`); the plan's
+`recompute_layers` is the model-wide count, rs * pp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from dcp_ext.specs import ClusterSpec, ModelSpec
+
+ATTN_BWD_FACTOR = 2.5  # flash-attention backward / forward FLOPs
+MATMUL_BWD_FACTOR = 2.0
+
+
+class Layout(NamedTuple):
+    tp: int
+    cp: int
+    pp: int
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}cp{self.cp}pp{self.pp}"
+
+
+@dataclass(frozen=True)
+class StageCoeffs:
+    """Per-stage, per-micro-batch time coefficients of one (layout, rs), split fwd/bwd.
+
+    time_fwd = c0_f + a_f*S2 + b_f*T + c_f*n ; time_bwd likewise; plus cp excess
+    (ex_* terms, attention vs key/value exchange, evaluated per micro-batch).
+    """
+
+    a_f: float
+    b_f: float
+    c_f: float
+    c0_f: float
+    a_b: float
+    b_b: float
+    c_b: float
+    c0_b: float
+    # cp overlap: per-layer attention forward per unit S2, kv exchange per token (bandwidth
+    # part), layers per stage and recomputed layers per stage
+    cp_att: float = 0.0
+    cp_comm: float = 0.0
+    cp_layers: float = 0.0
+    cp_recompute: float = 0.0
+
+    @property
+    def a(self) -> float:
+        return self.a_f + self.a_b
+
+    @property
+    def b(self) -> float:
+        return self.b_f + self.b_b
+
+    @property
+    def c(self) -> float:
+        return self.c_f + self.c_b
+
+    @property
+    def c0(self) -> float:
+        return self.c0_f + self.c0_b
+
+    def excess(self, s2, tokens):
+        """Non-hidden kv exchange time (>= 0), fwd + bwd, for arrays or scalars."""
+        if self.cp_comm == 0.0:
+            return np.zeros(np.shape(s2)) if isinstance(s2, np.ndarray) else 0.0
+        att = self.cp_att * np.asarray(s2, dtype=float)
+        com = self.cp_comm * np.asarray(tokens, dtype=float)
+        ex_f = np.maximum(0.0, com - att)
+        ex_b = np.maximum(0.0, 2.0 * com - ATTN_BWD_FACTOR * att)
+        out = (self.cp_layers + self.cp_recompute) * ex_f + self.cp_layers * ex_b
+        return out if isinstance(s2, np.ndarray) else float(out)
+
+    def excess_split(self, s2: float, tokens: float) -> tuple[float, float]:
+        if self.cp_comm == 0.0:
+            return 0.0, 0.0
+        att, com = self.cp_att * s2, self.cp_comm * tokens
+        ex_f = max(0.0, com - att)
+        ex_b = max(0.0, 2.0 * com - ATTN_BWD_FACTOR * att)
+        # recomputed layers run their forward (and its exchange) inside the backward
+        return self.cp_layers * ex_f, self.cp_layers * ex_b + self.cp_recompute * ex_f
+
+    def doc_cost(self, lengths) -> np.ndarray | float:
+        """Additive per-document part (no c0, no cp excess): a lower bound of its cost."""
+        s = np.asarray(lengths, dtype=float)
+        return self.a * s * s + self.b * s + self.c
+
+    def mb_time(self, s2, tokens, n_docs) -> np.ndarray | float:
+        return self.c0 + self.a * s2 + self.b * tokens + self.c * n_docs + self.excess(s2, tokens)
+
+    def mb_fwd_bwd(self, s2: float, tokens: float, n_docs: int) -> tuple[float, float]:
+        ef, eb = self.excess_split(s2, tokens)
+        f = self.c0_f + self.a_f * s2 + self.b_f * tokens + self.c_f * n_docs + ef
+        b = self.c0_b + self.a_b * s2 + self.b_b * tokens + self.c_b * n_docs + eb
+        return f, b
+
+
+class CostModel:
+    """The price list for (model, cluster); optionally calibrated by a `Profile`."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, profile=None, memory_margin: float = 0.1):
+        self.model = model
+        self.cluster = cluster
+        self.profile = profile
+        self.memory_margin = memory_margin
+        self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
+
+    # ------------------------------------------------------------------ layouts
+    def layout_valid(self, layout: Layout) -> bool:
+        tp, cp, pp = layout
+        m, c = self.model, self.cluster
+        return (
+            min(tp, cp, pp) >= 1
+            and m.valid_tp(tp)
+            and m.valid_pp(pp)
+            and tp <= c.gpus_per_node
+            and layout.size <= c.num_gpus
+        )
+
+    def layers_per_stage(self, layout: Layout) -> int:
+        return self.model.num_layers // layout.pp
+
+    def recompute_layers(self, layout: Layout, rs: int) -> int:
+        """Model-wide recompute_layers (the plan's field) for rs recomputed layers per stage."""
+        return rs * layout.pp
+
+    def stage_recompute(self, layout: Layout, recompute_layers: int) -> int:
+        return min(self.layers_per_stage(layout), math.ceil(recompute_layers / layout.pp))
+
+    # ------------------------------------------------------------------ FLOPs
+    @property
+    def layer_matmul_flops_per_token(self) -> float:
+        m = self.model
+        h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_size
+        return 2.0 * h * (h + 2 * kv) + 2.0 * h * h + 2.0 * h * f * (3 if m.swiglu else 2)
+
+    @property
+    def logits_flops_per_token(self) -> float:
+        return 2.0 * self.model.hidden_size * self.model.vocab_size
+
+    # ------------------------------------------------------------------ time
+    def coeffs(self, layout: Layout, rs: int = 0) -> StageCoeffs:
+        key = (Layout(*layout), int(rs))
+        got = self._coeffs.get(key)
+        if got is None:
+            got = self._analytic_coeffs(*key)
+            if self.profile is not None:
+                got = self.profile.calibrate(self, key[0], key[1], got)
+            self._coeffs[key] = got
+        return got
+
+    def _analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
+        m, cl, g = self.model, self.cluster, self.cluster.gpu
+        tp, cp, pp = layout
+        Ls = self.layers_per_stage(layout)
+        rs = min(rs, Ls)
+        e = m.activation_bytes
+        p_mm = g.peak_flops * g.matmul_efficiency
+        p_at = g.peak_flops * g.attention_efficiency
+        xh = g.half_efficiency_tokens
+        Fl = self.layer_matmul_flops_per_token
+
+        # per layer, forward, per token of the micro-batch (x = T/cp rows per device)
+        lin_pt = Fl / (tp * cp) / p_mm
+        lin_fixed = xh * Fl / tp / p_mm
+        att_s2 = 2.0 * m.hidden_size / (tp * cp) / p_at
+        if tp > 1:
+            bw, lat = cl.link(tp)
+            tpc_pt = 4.0 * m.hidden_size * e * (tp - 1) / tp / cp / bw
+            tpc_fixed = 4.0 * (tp - 1) * lat
+        else:
+            tpc_pt = tpc_fixed = 0.0
+        if cp > 1:
+            bw, lat = cl.link(tp * cp)
+            cp_comm = (cp - 1) / cp * 2.0 * m.kv_size * e / tp / bw
+            cp_fixed = (cp - 1) * lat
+        else:
+            cp_comm = cp_fixed = 0.0
+        # output layer (last stage) and pipeline p2p (both directions)
+        log_pt = self.logits_flops_per_token / (tp * cp) / p_mm
+        log_fixed = xh * self.logits_flops_per_token / tp / p_mm
+        if pp > 1:
+            bw, lat = cl.link(layout.size)
+            sp_div = tp if (m.sequence_parallel or tp == 1) else 1
+            p2p_pt = m.hidden_size * e / sp_div / cp / bw
+            p2p_fixed = lat
+        else:
+            p2p_pt = p2p_fixed = 0.0
+
+        fwd_layers = Ls
+        bwd_layers = Ls
+        a_f = fwd_layers * att_s2
+        a_b = bwd_layers * ATTN_BWD_FACTOR * att_s2 + rs * att_s2
+        b_f = fwd_layers * (lin_pt + tpc_pt) + log_pt + p2p_pt
+        b_b = bwd_layers * (MATMUL_BWD_FACTOR * lin_pt + tpc_pt) + rs * (lin_pt + tpc_pt) + MATMUL_BWD_FACTOR * log_pt + p2p_pt
+        c0_f = g.micro_batch_overhead_s + fwd_layers * (lin_fixed + tpc_fixed + cp_fixed) + log_fixed + p2p_fixed
+        c0_b = (
+            bwd_layers * (MATMUL_BWD_FACTOR * lin_fixed + tpc_fixed + cp_fixed)
+            + rs * (lin_fixed + tpc_fixed + cp_fixed)
+            + MATMUL_BWD_FACTOR * log_fixed
+            + p2p_fixed
+        )
+        return StageCoeffs(
+            a_f=a_f, b_f=b_f, c_f=0.0, c0_f=c0_f, a_b=a_b, b_b=b_b, c_b=0.0, c0_b=c0_b,
+            cp_att=att_s2, cp_comm=cp_comm, cp_layers=float(Ls), cp_recompute=float(rs),
+        )
+
+    def mb_stage_time(self, lengths: Sequence[int], layout: Layout, rs: int = 0) -> float:
+        s = np.asarray(lengths, dtype=float)
+        return float(self.coeffs(layout, rs).mb_time(float(np.dot(s, s)), float(s.sum()), len(s)))
+
+    def mb_fwd_bwd(self, lengths: Sequence[int], layout: Layout, rs: int = 0) -> tuple[float, float]:
+        s = np.asarray(lengths, dtype=float)
+        return self.coeffs(layout, rs).mb_fwd_bwd(float(np.dot(s, s)), float(s.sum()), len(s))
+
+    def mb_replica_time(self, lengths: Sequence[int], layout: Layout, rs: int = 0) -> float:
+        """Forward+backward of one micro-batch alone on the replica (pp stages in sequence):
+        what a profile record measures."""
+        return layout.pp * self.mb_stage_time(lengths, layout, rs)
+
+    # ------------------------------------------------------------------ optimizer sync
+    def sync_time(self, layout: Layout, num_replicas: int | None = None) -> float:
+        """Per-iteration pull (params into the layout) + push (grads into the fixed
+        sharding over all ranks) for one device of `layout`. Each device receives its
+        stage's parameter slice; each device also sends its 1/N fixed shard to every
+        replica (num_replicas), so the slower of the two directions counts. With
+        num_replicas=None only the receive side is counted (a lower bound)."""
+        m, cl = self.model, self.cluster
+        n = cl.num_gpus
+        if n == 1:
+            return 0.0
+        recv_params = m.stage_params(layout.pp) / layout.tp
+        send_params = (num_replicas or 0) * m.num_params / n
+        vol = max(recv_params, send_params)
+        if n > cl.gpus_per_node:
+            f_inter = (n - cl.gpus_per_node) / n
+            bw_i, lat_i = cl.gpu.inter_node_bw, cl.gpu.inter_node_latency
+        else:
+            f_inter, bw_i, lat_i = 0.0, 1.0, 0.0
+        bw_l, lat_l = cl.gpu.intra_node_bw, cl.gpu.intra_node_latency
+
+        def phase(bytes_per_param: int) -> float:
+            v = vol * bytes_per_param
+            return max(v * f_inter / bw_i, v * (1 - f_inter) / bw_l) + 2 * (lat_i + lat_l) * math.log2(max(n, 2))
+
+        t = phase(m.param_bytes) + phase(m.grad_bytes)
+        if self.profile is not None:
+            t = self.profile.calibrate_sync(self, layout, t)
+        return t
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def capacity_bytes(self) -> float:
+        g = self.cluster.gpu
+        return g.memory_bytes * (1.0 - self.memory_margin) - g.reserved_bytes
+
+    def state_bytes(self, layout: Layout) -> float:
+        m = self.model
+        shard = m.stage_params(layout.pp) / layout.tp * (m.param_bytes + m.grad_bytes)
+        opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
+        return shard + opt
+
+    @lru_cache(maxsize=None)
+    def _act_terms(self, layout: Layout) -> tuple[float, float, float, float, float]:
+        """(full layer, checkpointed layer, embedding, workspace, logits) bytes per row."""
+        m = self.model
+        tp = layout.tp
+        e = m.activation_bytes
+        h, f, kv = m.hidden_size, m.ffn_hidden_size, m.kv_size
+        sp_div = tp if (tp == 1 or m.sequence_parallel) else 1
+        ln_part = 4.0 * h * e / sp_div  # two norm inputs + two norm outputs (linear inputs)
+        tp_part = ((h + 2 * kv) + h + (2 * f if m.swiglu else f) + f) * e / tp + m.num_attention_heads / tp * 4.0
+        drop = 2.0 * h / sp_div if m.hidden_dropout else 0.0
+        full = ln_part + tp_part + drop
+        ckpt = h * e / sp_div
+        emb = h * e / sp_div
+        work = (2.0 * f + 2.0 * h) * e / tp
+        logits = m.vocab_size / tp * (e + 4.0)
+        return full, ckpt, emb, work, logits
+
+    def act_bytes_per_token(self, layout: Layout, rs: int) -> tuple[float, float, float]:
+        """(kept while in flight, transient on a middle stage, transient extra on the last
+        stage) bytes per token of the micro-batch (already divided by cp)."""
+        full, ckpt, emb, work, logits = self._act_terms(Layout(*layout))
+        Ls = self.layers_per_stage(layout)
+        rs = min(rs, Ls)
+        keep = ((Ls - rs) * full + rs * ckpt + emb) / layout.cp
+        trans = ((full if rs > 0 else 0.0) + work) / layout.cp
+        return keep, trans, logits / layout.cp
+
+    def replica_peak_bytes(self, layout: Layout, mb_tokens: Sequence[float], mb_rs: Sequence[int]) -> float:
+        """Peak device memory of one replica running these micro-batches in this order."""
+        layout = Layout(*layout)
+        k = len(mb_tokens)
+        if k == 0:
+            return self.state_bytes(layout)
+        keep = np.empty(k)
+        trans = np.empty(k)
+        last = np.empty(k)
+        for i, (t, rs) in enumerate(zip(mb_tokens, mb_rs)):
+            kp, tr, lg = self.act_bytes_per_token(layout, rs)
+            keep[i], trans[i], last[i] = kp * t, tr * t, (kp + tr + lg) * t
+        peak = float(last.max())
+        pp = layout.pp
+        if pp > 1:
+            w = min(pp, k)
+            cs = np.concatenate([[0.0], np.cumsum(keep)])
+            win = cs[w:] - cs[:-w]
+            # transient of the micro-batch being worked on, on top of the window it sits in
+            tmax = np.array([trans[i : i + w].max() for i in range(k - w + 1)])
+            peak = max(peak, float((win + tmax).max()))
+        return self.state_bytes(layout) + peak
+
+    def max_tokens(self, layout: Layout, rs: int, in_flight: int = 1) -> float:
+        """Largest micro-batch (tokens) that fits with `in_flight` equal micro-batches held
+        (1F1B stage 0 holds min(pp, count)). 0 when even the model state does not fit."""
+        free = self.capacity_bytes - self.state_bytes(layout)
+        if free <= 0:
+            return 0.0
+        kp, tr, lg = self.act_bytes_per_token(layout, rs)
+        per = max(kp + tr + lg, in_flight * kp + tr)
+        return free / per
+
+    def min_recompute(self, layout: Layout, tokens: float, in_flight: int = 1, others_keep_bytes: float = 0.0) -> int | None:
+        """Fewest recomputed layers per stage so a micro-batch of `tokens` fits beside
+        `others_keep_bytes` of other in-flight micro-batches; None if none does."""
+        free = self.capacity_bytes - self.state_bytes(layout) - others_keep_bytes
+        for rs in range(self.layers_per_stage(layout) + 1):
+            kp, tr, lg = self.act_bytes_per_token(layout, rs)
+            if tokens * (kp + tr + lg) <= free and tokens * (kp + tr) <= free:
+                return rs
+        return None
+
+    # ------------------------------------------------------------------ layouts the cluster allows
+    def all_layouts(self, power_of_two: bool = True) -> list[Layout]:
+        """Every valid (tp, cp, pp) whose replica size divides the world and whose model
+        state fits on a device; sizes are powers of two so blocks stay aligned."""
+        n = self.cluster.num_gpus
+        out = []
+        pows = [1 << i for i in range(0, 20) if (1 << i) <= n]
+        for tp in pows:
+            for cp in pows:
+                for pp in pows:
+                    lay = Layout(tp, cp, pp)
+                    if lay.size > n or n % lay.size or not self.layout_valid(lay):
+                        continue
+                    if self.capacity_bytes - self.state_bytes(lay) <= 0:
+                        continue
+                    out.append(lay)
+        return out
+
+
+def next_pow2(x: float) -> int:
+    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
+
+
+def describe_coeffs(cm: CostModel, layouts: Iterable[Layout]) -> str:
+    rows = []
+    for lay in layouts:
+        c = cm.coeffs(lay, 0)
+        rows.append(f"{lay}: a={c.a:.3e} b={c.b:.3e} c0={c.c0:.3e} sync={cm.sync_time(lay):.3f}s "
+                    f"max_tokens={cm.max_tokens(lay, 0):.0f}/{cm.max_tokens(lay, cm.layers_per_stage(lay)):.0f}")
+    return "\n".join(rows)

@@ -1,0 +1,277 @@
+"""The adaptive planner: per iteration, heterogeneous replicas, packing, recompute, accumulation.
+
+Why it exists: this is the system's brain (DESIGN.md step 2). Given one global batch it
+returns the plan the runtime executes.
+
+Per iteration:
+  1. rank the candidate layouts (`dcp_ext.candidates`, built once per run) with the
+     water-filling estimate: longest documents to the types that finish them fastest;
+  2. plan the best few in full: stage 1 assigns documents to replicas (the estimate's
+     length ranges per type, longest-processing-time-first inside a type, then moves
+     between the most and least loaded replicas), stage 2 packs each replica's share into
+     micro-batches (first-fit-decreasing under the no-recompute token cap; a document
+     longer than that runs alone with the fewest recomputed layers that hold it: DCP-intra;
+     the number of micro-batches follows from the packing: DCP-inter; pipelines get as
+     many as balance bubble against per-micro-batch cost);
+  3. price each full plan exactly (1F1B simulation + sync) and keep the best; the layout
+     changes only when the gain beats the switching cost plus a margin.
+
+The Hydraulis baseline is this planner restricted to cp == 1 and no recompute choice.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dcp_ext.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
+from dcp_ext.cost_model import Layout
+from dcp_ext.plan import IterationPlan
+from dcp_ext.planners.base import PlannerBase
+from dcp_ext.planners.common import (
+    PackedReplica,
+    PlanningError,
+    describe,
+    expand,
+    finish_replica,
+    make_type_table,
+    pack_replica,
+    pipeline_overhead,
+    place,
+    sample_batches,
+    to_iteration_plan,
+)
+
+
+class AdaptivePlanner(PlannerBase):
+    name = "adaptive"
+
+    def __init__(
+        self,
+        model,
+        cluster,
+        max_seq_len: int,
+        global_batch_tokens: int,
+        length_sample=None,
+        profile=None,
+        memory_margin: float = 0.1,
+        seed: int = 0,
+        progress: bool = False,
+        *,
+        layout_filter: Callable[[Layout], bool] | None = None,
+        recompute: str = "any",
+        max_layouts: int = 16,
+        sample_count: int = 16,
+        top_k: int = 2,
+        switch_margin: float = 0.01,
+        switch_cost_s: float = 0.0,
+        max_moves: int | None = None,
+    ):
+        super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
+        self.recompute = recompute
+        self.top_k = top_k
+        self.switch_margin = switch_margin
+        self.switch_cost_s = switch_cost_s
+        self.max_moves = max_moves
+        layouts = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
+        if not layouts:
+            raise PlanningError(f"no layout of {model.name} fits {cluster.name}")
+        self.tables = {l: make_type_table(self.cm, l, recompute) for l in layouts}
+        self.tables = {l: t for l, t in self.tables.items() if t.caps_alone and t.max_doc > 0}
+        batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
+        cb = stderr_progress(f"{self.name}: candidate layouts") if progress else None
+        self.pool: Pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb)
+        self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
+        self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
+        for c in self.pool.layouts:
+            self._register(self.placements[c])
+        self._current: Counts | None = None
+        self._last_index: int | None = None
+        self.last_choice: dict = {}
+
+    def describe(self) -> str:
+        return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
+
+    def reset(self) -> None:
+        self._current = None
+        self._last_index = None
+
+    # ------------------------------------------------------------------ per iteration
+    def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
+        s = self._check_input(sample_ids, lengths)
+        if self._last_index is not None and index != self._last_index + 1:
+            self._current = None  # not the next iteration: no layout to stay with
+        self._last_index = index
+        longest = int(s.max()) if len(s) else 0
+        holdable = max(t.max_doc for t in self.pool_tables.values())
+        if longest > holdable:
+            raise PlanningError(f"a sequence of {longest} tokens fits no candidate layout; the longest that fits is {int(holdable)} tokens")
+        prep = BatchPrep(self.cm, self.pool_tables, s)
+        est = []
+        for c in self.pool.layouts:
+            t, order, bounds = screen(prep, c)
+            est.append((t, c, order, bounds))
+        ranked = sorted(range(len(est)), key=lambda i: (est[i][0], i))
+        pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0])]
+        if self._current is not None:
+            cur_i = self.pool.layouts.index(self._current)
+            if cur_i not in pick and math.isfinite(est[cur_i][0]):
+                pick.append(cur_i)
+        if not pick:
+            raise PlanningError(f"no candidate layout can run this batch (longest sequence {longest} tokens)")
+        plans = {}
+        for i in pick:
+            t_est, c, order, bounds = est[i]
+            reps = self._full_plan(prep, c, order, bounds)
+            plans[i] = (max(r.time_s for r in reps), reps)
+        best = min(plans, key=lambda i: (plans[i][0], i))
+        if self._current is not None:
+            cur_i = self.pool.layouts.index(self._current)
+            if cur_i in plans and best != cur_i:
+                t_cur = plans[cur_i][0]
+                if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
+                    best = cur_i
+        self._current = self.pool.layouts[best]
+        self.last_choice = {
+            "layout": describe(self._current),
+            "estimates": {describe(est[i][1]): est[i][0] for i in ranked[:4]},
+            "planned": {describe(est[i][1]): plans[i][0] for i in plans},
+        }
+        return to_iteration_plan(index, sample_ids, plans[best][1], self.cm)
+
+    # ------------------------------------------------------------------ one layout in full
+    def _full_plan(self, prep: BatchPrep, counts: Counts, order, bounds: list[int]) -> list[PackedReplica]:
+        placement = self.placements[counts]
+        R = len(placement)
+        by_type: dict[Layout, list[int]] = {}
+        for k, (lay, _) in enumerate(placement):
+            by_type.setdefault(lay, []).append(k)
+        docs: list[list[int]] = [[] for _ in range(R)]  # sorted positions per replica
+        work = [0.0] * R
+        sync = [prep.sync(lay, R) for lay, _ in placement]
+        tob = [prep.types[lay] for lay, _ in placement]
+
+        def est(k: int, w: float, big: float = 0.0) -> float:
+            t = tob[k]
+            if t.tt.pp == 1:
+                return sync[k] + w
+            return sync[k] + w + max(pipeline_overhead(w, t.tt.pp, t.c0), (t.tt.pp - 1) * big)
+
+        # stage 1a: earliest finish, longest first. A document may go to the type whose
+        # length range (from the estimate) holds it or to a type ranked before it (more
+        # capable); shorter documents then fill whatever is left anywhere.
+        heaps = []
+        for lay, _, _ in order:
+            h = [(sync[k], k) for k in by_type[lay]]
+            heapq.heapify(h)
+            heaps.append(h)
+        is_pp = [lay.pp > 1 for lay, _, _ in order]
+        costs = [prep.types[lay].cost for lay, _, _ in order]
+        big = [0.0] * R
+        nt = len(order)
+        j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [nt - 1] * prep.n
+        inf = math.inf
+        for p in range(prep.n):
+            jmax = j_of_pos[p]
+            if jmax >= nt:
+                jmax = nt - 1
+            best_k, best_t, best_j = -1, inf, -1
+            for j in range(jmax + 1):
+                c = costs[j][p]
+                if c == inf:
+                    continue
+                load, k = heaps[j][0]
+                t = est(k, work[k] + c, big[k] if big[k] > c else c) if is_pp[j] else load + c
+                if t < best_t:
+                    best_k, best_t, best_j = k, t, j
+            if best_k < 0:  # nothing up to its range holds it: any type that can
+                for j in range(nt):
+                    c = costs[j][p]
+                    if c != inf:
+                        load, k = heaps[j][0]
+                        t = est(k, work[k] + c, max(big[k], c))
+                        if t < best_t:
+                            best_k, best_t, best_j = k, t, j
+            if best_k < 0:
+                raise PlanningError(f"a sequence of {int(prep.ss[p])} tokens fits no replica of {describe(counts)}")
+            c = costs[best_j][p]
+            docs[best_k].append(p)
+            work[best_k] += c
+            if is_pp[best_j] and c > big[best_k]:
+                big[best_k] = c
+            heapq.heapreplace(heaps[best_j], (best_t, best_k))
+        # stage 1b: move documents from the most to the least loaded replica
+        self._rebalance(docs, work, tob, est)
+        self._debug_est = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
+        # stage 2: pack, choose recompute, price exactly
+        out = []
+        s = prep.s
+        for k, (lay, ranks) in enumerate(placement):
+            orig = [int(prep.order[p]) for p in docs[k]]
+            cost_orig = self._cost_by_position(prep, lay)
+            mbs = pack_replica(self.cm, self.pool_tables[lay], s, orig, stage_cost=cost_orig)
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, s, mbs, R))
+        return out
+
+    def _cost_by_position(self, prep: BatchPrep, lay: Layout) -> np.ndarray:
+        cache = prep.__dict__.setdefault("_cost_orig", {})
+        got = cache.get(lay)
+        if got is None:
+            got = np.empty(prep.n)
+            got[prep.order] = prep.types[lay].cost
+            cache[lay] = got
+        return got
+
+    @staticmethod
+    def _big(t, ds) -> float:
+        if t.tt.pp == 1 or not ds:
+            return 0.0
+        return max(t.cost[p] for p in ds)
+
+    def _rebalance(self, docs, work, tob, est) -> None:
+        """Move single documents off the replica with the latest estimated finish onto one
+        of the three earliest, while that lowers the later of the two."""
+        R = len(docs)
+        if R < 2:
+            return
+        big = [self._big(tob[k], docs[k]) for k in range(R)]
+        times = [est(k, work[k], big[k]) for k in range(R)]
+        limit = self.max_moves if self.max_moves is not None else 4 * R + 16
+        for _ in range(limit):
+            hi = max(range(R), key=lambda k: (times[k], -k))
+            t_hi = times[hi]
+            pp_hi = tob[hi].tt.pp
+            if pp_hi > 1:
+                tops = sorted((tob[hi].cost[p] for p in docs[hi]), reverse=True)[:2] + [0.0, 0.0]
+            best = None  # (new max of the pair, doc index in hi, target)
+            targets = sorted(range(R), key=lambda k: times[k])[:3]
+            c_hi = tob[hi].cost
+            for lo in targets:
+                if lo == hi or t_hi - times[lo] <= 1e-9 * t_hi:
+                    continue
+                c_lo = tob[lo].cost
+                pp_lo = tob[lo].tt.pp
+                for j, p in enumerate(docs[hi]):
+                    c_new = c_lo[p]
+                    if not math.isfinite(c_new):
+                        continue
+                    ch = c_hi[p]
+                    big_hi = (tops[1] if ch >= tops[0] else tops[0]) if pp_hi > 1 else 0.0
+                    a = est(hi, work[hi] - ch, big_hi)
+                    b = est(lo, work[lo] + c_new, max(big[lo], c_new) if pp_lo > 1 else 0.0)
+                    m = a if a > b else b
+                    if m < t_hi - 1e-12 and (best is None or m < best[0]):
+                        best = (m, j, lo)
+            if best is None:
+                break
+            _, j, lo = best
+            p = docs[hi].pop(j)
+            work[hi] -= c_hi[p]
+            docs[lo].append(p)
+            work[lo] += tob[lo].cost[p]
+            big[hi] = self._big(tob[hi], docs[hi])
+            big[lo] = self._big(tob[lo], docs[lo])
+            times[hi] = est(hi, work[hi], big[hi])
+            times[lo] = est(lo, work[lo], big[lo])

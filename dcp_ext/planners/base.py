@@ -1,0 +1,81 @@
+"""The planner interface the runtime and the CLIs call, and what all planners share.
+
+Why it exists: `make_planner(name, ...)` must hand back objects that behave the same way
+(replica types known at construction, one deterministic `IterationPlan` per call), so the
+runtime can build its process groups once and the simulator can compare planners on the
+same batches.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dcp_ext.cost_model import CostModel, Layout
+from dcp_ext.plan import IterationPlan
+from dcp_ext.specs import ClusterSpec, ModelSpec
+
+ReplicaType = tuple[int, int, int, tuple[int, ...]]
+
+
+class PlannerBase:
+    name = "base"
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        max_seq_len: int,
+        global_batch_tokens: int,
+        length_sample: Sequence[int] | None = None,
+        profile: Any = None,
+        memory_margin: float = 0.1,
+        seed: int = 0,
+        progress: bool = False,
+    ):
+        from dcp_ext.profile import load_profile
+
+        self.model = model
+        self.cluster = cluster
+        self.max_seq_len = int(max_seq_len)
+        self.global_batch_tokens = int(global_batch_tokens)
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.cm = CostModel(model, cluster, self.profile, memory_margin=memory_margin)
+        self.seed = seed
+        self.progress = progress
+        if length_sample is None or len(length_sample) == 0:
+            # without data: a flat histogram up to max_seq_len
+            length_sample = list(np.unique(np.geomspace(16, self.max_seq_len, 64).round().astype(int)))
+        self.length_sample = np.minimum(np.asarray(length_sample, dtype=np.int64), self.max_seq_len)
+        self._types: list[ReplicaType] = []
+
+    # -------------------------------------------------------------- interface
+    def replica_types(self) -> list[ReplicaType]:
+        """Every (tp, cp, pp, ranks) replica any plan of this planner can use."""
+        return list(self._types)
+
+    def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+    # -------------------------------------------------------------- helpers
+    def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
+        seen = set(self._types)
+        for lay, ranks in placements:
+            key = (lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks))
+            if key not in seen:
+                seen.add(key)
+                self._types.append(key)
+
+    def _check_input(self, sample_ids: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+        if len(sample_ids) != len(lengths):
+            raise ValueError(f"{len(sample_ids)} sample ids but {len(lengths)} lengths")
+        s = np.asarray(lengths, dtype=np.int64)
+        if len(s) and s.min() < 1:
+            raise ValueError("sequence lengths must be >= 1")
+        return s
+
+    def spec_header(self) -> tuple[dict, dict]:
+        return self.cluster.to_json(), self.model.to_json()

@@ -1,0 +1,341 @@
+"""Pieces every planner shares: per-layout tables, placement, packing, replica timing.
+
+Why a module of its own: the adaptive planner and the baselines differ in *where* they put
+documents and which layouts they allow, never in how a replica's micro-batches are priced
+or how memory is checked. Keeping that here makes the comparison fair by construction.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dcp_ext.cost_model import CostModel, Layout
+from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.simulator import one_f_one_b
+
+
+class PlanningError(ValueError):
+    """A batch (or a sequence in it) that no allowed layout can run."""
+
+
+# ---------------------------------------------------------------------------- layout tables
+@dataclass
+class TypeTable:
+    """What a planner needs to know about one replica layout, computed once."""
+
+    layout: Layout
+    size: int
+    pp: int
+    layers_per_stage: int
+    allowed_rs: list[int]  # recompute levels (layers per stage) the planner may use
+    caps_alone: list[float]  # max tokens of a lone micro-batch per allowed rs (monotone)
+    cap_mb: float  # max tokens of a micro-batch without recompute, 1F1B window included
+    sync_lb: float  # receive-side sync (lower bound)
+
+    @property
+    def max_doc(self) -> float:
+        return self.caps_alone[-1] if self.caps_alone else 0.0
+
+    def rs_for(self, tokens: float) -> int | None:
+        i = bisect.bisect_left(self.caps_alone, tokens)
+        return self.allowed_rs[i] if i < len(self.allowed_rs) else None
+
+
+def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> TypeTable:
+    """recompute: 'any' (0..layers per stage), 'off' (none), 'full' (none or all)."""
+    layout = Layout(*layout)
+    Ls = cm.layers_per_stage(layout)
+    levels = {"any": list(range(Ls + 1)), "off": [0], "full": [0, Ls] if Ls > 0 else [0]}[recompute]
+    caps, rs_ok = [], []
+    best = -1.0
+    for rs in levels:
+        c = cm.max_tokens(layout, rs, 1)
+        if c > best:  # keep only levels that hold more than the cheaper ones
+            caps.append(c)
+            rs_ok.append(rs)
+            best = c
+    cap_mb = cm.max_tokens(layout, 0, layout.pp) if layout.pp > 1 else cm.max_tokens(layout, 0, 1)
+    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None))
+
+
+@dataclass
+class DocCosts:
+    """Per-document planning numbers of one batch on one layout (docs in the batch's order)."""
+
+    cost: np.ndarray  # per-stage seconds a document adds (recompute it needs, CP excess, amortised c0)
+    alone: np.ndarray  # pp * stage time of the document alone (no sync)
+    rs: np.ndarray  # recompute level it needs alone (-1: does not fit)
+
+
+def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
+    n = len(s)
+    cost = np.full(n, np.inf)
+    alone = np.full(n, np.inf)
+    rs_arr = np.full(n, -1, dtype=np.int64)
+    idx = np.searchsorted(np.asarray(tt.caps_alone), s, side="left")
+    sf = s.astype(float)
+    for k in np.unique(idx):
+        if k >= len(tt.allowed_rs):
+            continue
+        sel = idx == k
+        rs = tt.allowed_rs[int(k)]
+        co = cm.coeffs(tt.layout, rs)
+        ss = sf[sel]
+        s2 = ss * ss
+        base = co.a * s2 + co.b * ss + co.c
+        ex = co.excess(s2, ss) if co.cp_comm else 0.0
+        t_alone = co.c0 + base + ex
+        cost[sel] = base + ex
+        alone[sel] = tt.pp * t_alone
+        rs_arr[sel] = rs
+    # micro-batch constant, amortised over the tokens of a full micro-batch (pp == 1); for
+    # pipelines the constant is part of the bubble/overhead estimate instead
+    if tt.pp == 1 and tt.cap_mb > 0:
+        c0 = cm.coeffs(tt.layout, 0).c0
+        cost = cost + c0 * np.minimum(sf / tt.cap_mb, 1.0)
+    return DocCosts(cost, alone, rs_arr)
+
+
+def pipeline_capacity(work_room: float, pp: int, c0: float) -> float:
+    """Stage work W a pp-stage replica can do in `work_room` seconds, with the number of
+    micro-batches m chosen to balance bubble (pp-1)W/m and overhead m*c0:
+    W + 2*sqrt((pp-1)*c0*W) <= room."""
+    if work_room <= 0:
+        return 0.0
+    if pp == 1:
+        return work_room
+    k = (pp - 1) * c0
+    return (math.sqrt(k + work_room) - math.sqrt(k)) ** 2
+
+
+def pipeline_overhead(work: float, pp: int, c0: float) -> float:
+    if pp == 1 or work <= 0:
+        return 0.0
+    return 2.0 * math.sqrt((pp - 1) * c0 * work)
+
+
+# ---------------------------------------------------------------------------- placement
+def place(layouts: Sequence[Layout], world: int) -> list[tuple[Layout, list[int]]]:
+    """Contiguous, size-aligned rank blocks (largest replicas first), Megatron order inside
+    each block (tp fastest, then cp, then pp). Deterministic."""
+    order = sorted((Layout(*l) for l in layouts), key=lambda l: (-l.size, -l.tp, -l.cp, -l.pp))
+    out, start = [], 0
+    for lay in order:
+        out.append((lay, list(range(start, start + lay.size))))
+        start += lay.size
+    if start != world:
+        raise ValueError(f"layouts use {start} devices, the world has {world}")
+    return out
+
+
+def canonical(counts: dict[Layout, int]) -> tuple[tuple[Layout, int], ...]:
+    return tuple(sorted(((Layout(*k), v) for k, v in counts.items() if v > 0), key=lambda kv: (-kv[0].size, -kv[0].tp, -kv[0].cp, -kv[0].pp)))
+
+
+def expand(counts: Iterable[tuple[Layout, int]]) -> list[Layout]:
+    return [lay for lay, n in counts for _ in range(n)]
+
+
+def describe(counts: Iterable[tuple[Layout, int]]) -> str:
+    return "+".join(f"{n}x{lay}" for lay, n in counts)
+
+
+# ---------------------------------------------------------------------------- packing
+@dataclass
+class PackedReplica:
+    layout: Layout
+    ranks: list[int]
+    micro_batches: list[tuple[list[int], int]]  # (doc positions, rs)
+    time_s: float = 0.0  # pipeline + sync
+    pipeline_s: float = 0.0
+    sync_s: float = 0.0
+    peak_bytes: float = 0.0
+
+
+def _mb_stats(s: np.ndarray, docs: Sequence[int]) -> tuple[float, float, int]:
+    if len(docs) == 1:
+        x = float(s[docs[0]])
+        return x * x, x, 1
+    v = s[list(docs)].astype(float)
+    return float(np.dot(v, v)), float(v.sum()), len(docs)
+
+
+def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float) -> list[list[int]]:
+    """Bins of total size <= cap (a larger item gets a bin of its own)."""
+    order = sorted(docs, key=lambda d: -sizes[d])
+    bins: list[list[int]] = []
+    room: list[float] = []
+    for d in order:
+        x = sizes[d]
+        for i, r in enumerate(room):
+            if x <= r:
+                bins[i].append(d)
+                room[i] = r - x
+                break
+        else:
+            bins.append([d])
+            room.append(cap - x)
+    return bins
+
+
+def pack_replica(
+    cm: CostModel,
+    tt: TypeTable,
+    s: np.ndarray,
+    docs: Sequence[int],
+    stage_cost: np.ndarray | None = None,
+    target_mbs: int | None = None,
+) -> list[tuple[list[int], int]]:
+    """Micro-batches (doc positions, recompute layers per stage) for one replica.
+
+    pp == 1: documents that fit without recompute are packed first-fit-decreasing into
+    micro-batches of at most `cap_mb` tokens (fewest micro-batches = fewest constants);
+    a longer document runs alone with the least recompute that holds it.
+    pp > 1: as many micro-batches as balance bubble against per-micro-batch constant
+    (or `target_mbs`), filled longest-processing-time first so their costs match.
+    """
+    if not docs:
+        return []
+    cap = tt.cap_mb
+    long_docs = [d for d in docs if s[d] > cap]
+    short = [d for d in docs if s[d] <= cap]
+    mbs: list[tuple[list[int], int]] = []
+    for d in long_docs:
+        rs = tt.rs_for(float(s[d]))
+        if rs is None:
+            raise PlanningError(f"a sequence of {int(s[d])} tokens does not fit {tt.layout} (longest {int(tt.max_doc)})")
+        mbs.append(([d], rs))
+    if short:
+        if tt.pp == 1:
+            for b in first_fit_decreasing(short, s, cap):
+                mbs.append((b, 0))
+        else:
+            co = cm.coeffs(tt.layout, 0)
+            cost = stage_cost if stage_cost is not None else None
+            w = float(sum((cost[d] if cost is not None else co.b * s[d]) for d in short))
+            tokens = float(sum(s[d] for d in short))
+            m_mem = math.ceil(tokens / cap) if cap > 0 else len(short)
+            m_opt = int(round(math.sqrt((tt.pp - 1) * w / co.c0))) if co.c0 > 0 else len(short)
+            m = target_mbs if target_mbs else max(m_mem, m_opt, 1)
+            m = max(1, min(m, len(short)))
+            load = [0.0] * m
+            tok = [0.0] * m
+            bins: list[list[int]] = [[] for _ in range(m)]
+            for d in sorted(short, key=lambda d: -s[d]):
+                x = float(s[d])
+                c = cost[d] if cost is not None else co.b * x + co.a * x * x
+                best = -1
+                for i in range(len(bins)):
+                    if tok[i] + x <= cap and (best < 0 or load[i] < load[best]):
+                        best = i
+                if best < 0:
+                    bins.append([])
+                    load.append(0.0)
+                    tok.append(0.0)
+                    best = len(bins) - 1
+                bins[best].append(d)
+                load[best] += c
+                tok[best] += x
+            for b in bins:
+                if b:
+                    mbs.append((b, 0))
+    return mbs
+
+
+def order_for_pipeline(cm: CostModel, layout: Layout, s: np.ndarray, mbs: list[tuple[list[int], int]]):
+    """Order micro-batches for 1F1B: cheapest first (short fill), then the rest by cost
+    descending (short drain). Returns (ordered mbs, fwd list, bwd list)."""
+    stats = []
+    for docs, rs in mbs:
+        s2, t, n = _mb_stats(s, docs)
+        f, b = cm.coeffs(layout, rs).mb_fwd_bwd(s2, t, n)
+        stats.append((f + b, f, b, docs, rs))
+    if layout.pp > 1 and len(stats) > 2:
+        stats.sort(key=lambda x: x[0])
+        first = stats[0]
+        rest = sorted(stats[1:], key=lambda x: -x[0])
+        stats = [first] + rest
+    return [(x[3], x[4]) for x in stats], [x[1] for x in stats], [x[2] for x in stats]
+
+
+def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], int]], float]:
+    """Raise recompute on the largest micro-batches until the replica's peak fits."""
+    cap = cm.capacity_bytes
+    mbs = [(d, rs) for d, rs in mbs]
+    tokens = [float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs]
+    while True:
+        peak = cm.replica_peak_bytes(tt.layout, tokens, [rs for _, rs in mbs])
+        if peak <= cap or not mbs:
+            return mbs, peak
+        # bump the biggest micro-batch that can still recompute more
+        cands = [i for i, (_, rs) in enumerate(mbs) if rs < tt.allowed_rs[-1]]
+        if not cands:
+            raise PlanningError(
+                f"micro-batches of {int(max(tokens))} tokens do not fit {tt.layout} even with recompute "
+                f"(peak {peak / 1e9:.1f} GB > {cap / 1e9:.1f} GB)"
+            )
+        i = max(cands, key=lambda i: tokens[i])
+        nxt = [r for r in tt.allowed_rs if r > mbs[i][1]]
+        mbs[i] = (mbs[i][0], nxt[0])
+
+
+def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray, mbs, num_replicas: int) -> PackedReplica:
+    mbs, peak = fit_memory(cm, tt, s, mbs)
+    mbs, fwd, bwd = order_for_pipeline(cm, tt.layout, s, mbs)
+    pipe = one_f_one_b(fwd, bwd, tt.pp).makespan
+    sync = cm.sync_time(tt.layout, num_replicas)
+    peak = cm.replica_peak_bytes(tt.layout, [float(sum(s[d] for d in docs)) for docs, _ in mbs], [rs for _, rs in mbs])
+    return PackedReplica(tt.layout, ranks, mbs, pipe + sync, pipe, sync, peak)
+
+
+def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[PackedReplica], cm: CostModel) -> IterationPlan:
+    out = []
+    for r in reps:
+        out.append(
+            ReplicaPlan(
+                ranks=list(r.ranks),
+                tp=r.layout.tp,
+                cp=r.layout.cp,
+                pp=r.layout.pp,
+                micro_batches=[
+                    MicroBatchPlan([int(sample_ids[d]) for d in docs], cm.recompute_layers(r.layout, rs)) for docs, rs in r.micro_batches
+                ],
+                predicted_time_s=float(r.time_s),
+            )
+        )
+    return IterationPlan(
+        index=index,
+        sample_ids=[int(x) for x in sample_ids],
+        replicas=out,
+        predicted_time_s=float(max((r.time_s for r in reps), default=0.0)),
+    )
+
+
+def sample_batches(length_sample: Sequence[int], global_batch_tokens: int, max_seq_len: int, count: int, seed: int) -> list[np.ndarray]:
+    """Global batches drawn from the dataset's length histogram: the sample shuffled with
+    `seed`, cut by the global batch rule; `count` of them, evenly spaced. These are not the
+    batches the run will see, only batches like them."""
+    from dcp_ext.batching import iter_global_batches
+
+    lens = np.minimum(np.asarray(length_sample, dtype=np.int64), max_seq_len)
+    if len(lens) == 0:
+        raise ValueError("empty length sample")
+    rng = np.random.default_rng(seed)
+    out: list[np.ndarray] = []
+    rounds = 0
+    while len(out) < count and rounds < 8:
+        perm = lens[rng.permutation(len(lens))]
+        batches = [perm[b] for b in iter_global_batches(perm, global_batch_tokens, max_seq_len)]
+        if batches and batches[-1].sum() < 0.5 * global_batch_tokens and len(batches) > 1:
+            batches = batches[:-1]  # a short tail batch is not typical
+        out.extend(batches)
+        rounds += 1
+    if len(out) > count:
+        pick = np.linspace(0, len(out) - 1, count).round().astype(int)
+        out = [out[i] for i in pick]
+    return out

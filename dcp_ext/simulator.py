@@ -1,0 +1,252 @@
+"""Time of one iteration from its plan, and a lower bound no plan can beat.
+
+Why it exists: planners are compared (and checked) here, with one cost model, so that a
+speedup means "the same work on the same machine, placed better". Pure: lengths, specs
+and plans in, seconds out.
+
+Iteration model (matches the runtime's structure in DESIGN.md): every replica pulls its
+parameters from the fixed optimizer sharding, runs its micro-batches through a 1F1B
+pipeline (simulated event by event, micro-batches of different sizes included), then
+pushes its gradients back; replicas run in parallel and the slowest decides:
+
+    T = max over replicas (sync(replica) + pipeline(replica))
+
+Lower bound (`lower_bound`): a relaxation of every plan any planner can emit on this
+cluster (all layouts, all recompute choices): documents split perfectly over devices,
+each at its cheapest layout (additive part of the cost only: no micro-batch constant, no
+unhidden CP exchange, no pipeline bubble), every device paying the receive side of its
+layout's sync, and the iteration no shorter than any document alone on the replica that
+runs it fastest. Each dropped term is >= 0 in the simulated time, hence a true bound.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from dcp_ext.cost_model import CostModel, Layout
+from dcp_ext.plan import IterationPlan, ReplicaPlan
+
+
+# ---------------------------------------------------------------------------- 1F1B
+@dataclass
+class PipelineResult:
+    makespan: float
+    # (stage, micro-batch, kind 'F'/'B', start, end) for timelines
+    events: list[tuple[int, int, str, float, float]] = field(default_factory=list)
+
+
+def one_f_one_b(fwd: Sequence[float], bwd: Sequence[float], pp: int, record: bool = False) -> PipelineResult:
+    """Event simulation of the non-interleaved 1F1B schedule with identical stages.
+
+    Stage j runs min(pp-1-j, m) warm-up forwards, then alternates one forward and one
+    backward, then drains the remaining backwards. F(i, j) waits for F(i, j-1); B(i, j)
+    waits for B(i, j+1) (and, on the last stage, for F(i, j)).
+    """
+    m = len(fwd)
+    if m == 0:
+        return PipelineResult(0.0)
+    if pp == 1:
+        t = 0.0
+        ev = []
+        for i in range(m):
+            if record:
+                ev.append((0, i, "F", t, t + fwd[i]))
+                ev.append((0, i, "B", t + fwd[i], t + fwd[i] + bwd[i]))
+            t += fwd[i] + bwd[i]
+        return PipelineResult(t, ev)
+    orders = []
+    for j in range(pp):
+        w = min(pp - 1 - j, m)
+        seq = [("F", i) for i in range(w)]
+        nf, nb = w, 0
+        while nf < m:
+            seq.append(("F", nf))
+            nf += 1
+            seq.append(("B", nb))
+            nb += 1
+        while nb < m:
+            seq.append(("B", nb))
+            nb += 1
+        orders.append(seq)
+    f_end = [[-1.0] * m for _ in range(pp)]
+    b_end = [[-1.0] * m for _ in range(pp)]
+    ptr = [0] * pp
+    clock = [0.0] * pp
+    events = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for j in range(pp):
+            while ptr[j] < len(orders[j]):
+                kind, i = orders[j][ptr[j]]
+                if kind == "F":
+                    dep = 0.0 if j == 0 else f_end[j - 1][i]
+                    if dep < 0:
+                        break
+                    start = max(clock[j], dep)
+                    end = start + fwd[i]
+                    f_end[j][i] = end
+                else:
+                    dep = f_end[j][i] if j == pp - 1 else b_end[j + 1][i]
+                    if dep < 0:
+                        break
+                    start = max(clock[j], dep)
+                    end = start + bwd[i]
+                    b_end[j][i] = end
+                clock[j] = end
+                if record:
+                    events.append((j, i, kind, start, end))
+                ptr[j] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the schedule is acyclic
+            raise RuntimeError("1F1B simulation deadlocked")
+    return PipelineResult(max(clock), events)
+
+
+# ---------------------------------------------------------------------------- one iteration
+@dataclass
+class ReplicaResult:
+    layout: Layout
+    ranks: list[int]
+    sync_s: float
+    pipeline_s: float
+    peak_bytes: float
+    mb_stage_s: list[float]
+
+    @property
+    def time_s(self) -> float:
+        return self.sync_s + self.pipeline_s
+
+
+@dataclass
+class IterationResult:
+    time_s: float
+    replicas: list[ReplicaResult]
+    peak_bytes: float
+    memory_ok: bool  # every replica within the planning capacity (device memory less margin)
+    tokens: int
+    peak_memory_fraction: float  # peak predicted bytes / device memory
+
+
+def micro_batch_order_time(cm: CostModel, layout: Layout, mbs: Sequence[tuple[float, float, int, int]]) -> tuple[float, list[float], list[float]]:
+    """(pipeline time, fwd list, bwd list) for micro-batches given as (S2, T, n, rs) in order."""
+    fwd, bwd = [], []
+    for s2, t, n, rs in mbs:
+        f, b = cm.coeffs(layout, rs).mb_fwd_bwd(s2, t, n)
+        fwd.append(f)
+        bwd.append(b)
+    return one_f_one_b(fwd, bwd, layout.pp).makespan, fwd, bwd
+
+
+def simulate_replica(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, int], num_replicas: int) -> ReplicaResult:
+    layout = Layout(rep.tp, rep.cp, rep.pp)
+    mbs = []
+    tokens, rss = [], []
+    for mb in rep.micro_batches:
+        s = np.fromiter((length_of[i] for i in mb.sample_ids), dtype=float, count=len(mb.sample_ids))
+        rs = cm.stage_recompute(layout, mb.recompute_layers)
+        mbs.append((float(np.dot(s, s)), float(s.sum()), len(s), rs))
+        tokens.append(float(s.sum()))
+        rss.append(rs)
+    pipe, fwd, bwd = micro_batch_order_time(cm, layout, mbs)
+    return ReplicaResult(
+        layout=layout,
+        ranks=list(rep.ranks),
+        sync_s=cm.sync_time(layout, num_replicas),
+        pipeline_s=pipe,
+        peak_bytes=cm.replica_peak_bytes(layout, tokens, rss),
+        mb_stage_s=[f + b for f, b in zip(fwd, bwd)],
+    )
+
+
+def simulate_iteration(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]) -> IterationResult:
+    """Simulated time of one planned iteration. `length_of[sample_id]` is the (truncated)
+    length of each sample of the batch."""
+    reps = [simulate_replica(cm, r, length_of, len(it.replicas)) for r in it.replicas]
+    t = max((r.time_s for r in reps), default=0.0)
+    peak = max((r.peak_bytes for r in reps), default=0.0)
+    return IterationResult(
+        time_s=t,
+        replicas=reps,
+        peak_bytes=peak,
+        memory_ok=peak <= cm.capacity_bytes * (1 + 1e-9),
+        tokens=int(sum(length_of[i] for i in it.sample_ids)),
+        peak_memory_fraction=peak / cm.cluster.gpu.memory_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------- lower bound
+@dataclass
+class BoundTables:
+    """Per (document, layout) numbers the bound needs, for one batch."""
+
+    gpu_seconds: np.ndarray  # [n_docs, n_layouts] g * additive stage cost, inf if it cannot hold
+    alone: np.ndarray  # [n_docs, n_layouts] pp * stage time of the document alone (+ sync)
+    sync: np.ndarray  # [n_layouts] receive-side sync per device
+    layouts: list[Layout]
+
+
+def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None) -> BoundTables:
+    layouts = list(layouts) if layouts is not None else cm.all_layouts()
+    s = np.asarray(lengths, dtype=float)
+    n, k = len(s), len(layouts)
+    gs = np.full((n, k), np.inf)
+    alone = np.full((n, k), np.inf)
+    sync = np.empty(k)
+    for j, lay in enumerate(layouts):
+        sync[j] = cm.sync_time(lay, None)
+        Ls = cm.layers_per_stage(lay)
+        # smallest recompute that holds each document alone (monotone in rs)
+        caps = np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)])
+        caps = np.maximum.accumulate(caps)
+        rs_min = np.searchsorted(caps, s, side="left")  # first rs with cap >= s
+        for rs in np.unique(rs_min):
+            if rs > Ls:
+                continue
+            sel = rs_min == rs
+            co = cm.coeffs(lay, int(rs))
+            ss = s[sel]
+            gs[sel, j] = lay.size * co.doc_cost(ss)
+            alone[sel, j] = lay.pp * co.mb_time(ss * ss, ss, 1) + sync[j]
+    return BoundTables(gs, alone, sync, layouts)
+
+
+def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None, tables: BoundTables | None = None) -> float:
+    """A time no plan of this batch can beat on this cluster (see the module docstring)."""
+    if len(lengths) == 0:
+        return 0.0
+    tb = tables or bound_tables(cm, lengths, layouts)
+    n_dev = cm.cluster.num_gpus
+    best_alone = tb.alone.min(axis=1)
+    if not np.all(np.isfinite(best_alone)):
+        bad = int(np.asarray(lengths)[~np.isfinite(best_alone)].max())
+        raise ValueError(f"a sequence of {bad} tokens fits no layout of {cm.cluster.name}")
+    lo = float(best_alone.max())
+
+    def devices_needed(T: float) -> float:
+        room = T - tb.sync
+        ok = (tb.alone <= T) & (room > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.where(ok, tb.gpu_seconds / np.where(room > 0, room, 1.0), np.inf)
+        return float(need.min(axis=1).sum())
+
+    if devices_needed(lo) <= n_dev:
+        return lo
+    hi = max(lo, 1e-9) * 2
+    while devices_needed(hi) > n_dev:
+        hi *= 2
+        if hi > 1e9:  # pragma: no cover
+            raise RuntimeError("lower bound diverged")
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if devices_needed(mid) > n_dev:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return hi

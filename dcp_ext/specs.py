@@ -1,0 +1,254 @@
+"""Cluster and model specifications: the numbers the cost model and planners reason with.
+
+Why a module of its own: the planner, the simulator, the CLIs and the runtime all need
+the same description of "what hardware" and "what model", built from presets, from
+Megatron's arguments, or from a plan file's header. Pure data, no torch.
+
+Units: bytes, seconds, FLOP/s. Bandwidths are per GPU and per direction, as achieved by
+collectives (bus bandwidth), not the marketing peak.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPUKind:
+    name: str
+    peak_flops: float  # dense bf16 (fp32 for the CPU) FLOP/s per device
+    memory_bytes: float
+    hbm_bandwidth: float  # bytes/s, for memory-bound work (kept for reporting)
+    intra_node_bw: float  # bytes/s per device per direction, collective bus bandwidth
+    inter_node_bw: float  # bytes/s per device per direction over the network
+    intra_node_latency: float  # seconds per collective step
+    inter_node_latency: float
+    matmul_efficiency: float  # achieved fraction of peak on large GEMMs
+    attention_efficiency: float  # achieved fraction of peak in (flash) attention
+    half_efficiency_tokens: float  # rows per GEMM at which throughput is half its maximum
+    micro_batch_overhead_s: float  # fixed cost of one micro-batch (launches, scheduling)
+    reserved_bytes: float  # runtime context, communicator buffers, fragmentation
+    default_gpus_per_node: int = 8
+
+
+# Published peak numbers; efficiencies are typical Megatron figures on these parts.
+GPU_KINDS: dict[str, GPUKind] = {
+    "h200": GPUKind("h200", 989e12, 141e9, 4.8e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 6 * GiB),
+    "h100": GPUKind("h100", 989e12, 80e9, 3.35e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 5 * GiB),
+    "a800": GPUKind("a800", 312e12, 80e9, 2.0e12, 160e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
+    "a100": GPUKind("a100", 312e12, 80e9, 2.0e12, 240e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
+    # One gloo rank on a shared CPU core: fp32 GEMMs at tens of GFLOP/s, loopback TCP
+    # collectives at ~1 GB/s with ~100 us per step. A profile file replaces these.
+    "cpu-gloo": GPUKind("cpu-gloo", 40e9, 4 * GiB, 10e9, 1.0e9, 1.0e9, 1e-4, 1e-4, 0.5, 0.3, 32, 5e-3, 0.5 * GiB, 8),
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    num_gpus: int
+    gpus_per_node: int
+    gpu: GPUKind
+
+    # convenient views
+    @property
+    def gpu_kind(self) -> str:
+        return self.gpu.name
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpu.peak_flops
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu.memory_bytes
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, math.ceil(self.num_gpus / self.gpus_per_node))
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective over `span` consecutive ranks."""
+        if span <= self.gpus_per_node:
+            return self.gpu.intra_node_bw, self.gpu.intra_node_latency
+        return self.gpu.inter_node_bw, self.gpu.inter_node_latency
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ClusterSpec":
+        """`h200x64`, `h100x8`, `a800x64`, `cpu-glooxN`, `cpu-gloo x4`, `cpu-gloo-x4`."""
+        text = name.strip().lower()
+        m = re.fullmatch(r"([a-z0-9]+(?:-gloo)?)\s*[-_ ]?\s*x\s*(\d+)", text)
+        if not m:
+            raise ValueError(f"cluster preset {name!r}: expected <kind>x<N>, kinds {sorted(GPU_KINDS)}")
+        kind, n = m.group(1), int(m.group(2))
+        if kind not in GPU_KINDS:
+            raise ValueError(f"cluster preset {name!r}: unknown GPU kind {kind!r}, known {sorted(GPU_KINDS)}")
+        if n < 1:
+            raise ValueError(f"cluster preset {name!r}: needs at least one device")
+        if kind == "cpu-gloo":
+            return cls.cpu_gloo(n)
+        gpu = GPU_KINDS[kind]
+        return cls(name=f"{kind}x{n}", num_gpus=n, gpus_per_node=min(gpu.default_gpus_per_node, n), gpu=gpu)
+
+    @classmethod
+    def cpu_gloo(cls, world_size: int) -> "ClusterSpec":
+        """This machine: `world_size` gloo ranks on the CPU, all on one "node"."""
+        return cls(name=f"cpu-gloox{world_size}", num_gpus=world_size, gpus_per_node=world_size, gpu=GPU_KINDS["cpu-gloo"])
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"name": self.name, "num_gpus": self.num_gpus, "gpus_per_node": self.gpus_per_node}
+        d["gpu"] = asdict(self.gpu)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ClusterSpec":
+        if "gpu" not in d:
+            return cls.from_preset(d["name"])
+        return cls(name=d["name"], num_gpus=int(d["num_gpus"]), gpus_per_node=int(d["gpus_per_node"]), gpu=GPUKind(**d["gpu"]))
+
+    def with_(self, **changes: Any) -> "ClusterSpec":
+        """A copy with cluster fields or GPU fields (e.g. memory_bytes=...) changed."""
+        gpu_changes = {k: v for k, v in changes.items() if k in GPUKind.__dataclass_fields__}
+        own = {k: v for k, v in changes.items() if k not in gpu_changes}
+        return replace(self, gpu=replace(self.gpu, **gpu_changes), **own)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    swiglu: bool = True
+    untie_embeddings_and_output_weights: bool = True
+    param_bytes: int = 2  # bf16 parameters
+    grad_bytes: int = 2  # gradient buffer (and the push) in the parameter dtype
+    optimizer_bytes_per_param: int = 12  # fp32 master copy + Adam m, v (sharded over all ranks)
+    activation_bytes: int = 2
+    sequence_parallel: bool = True  # with tp > 1
+    hidden_dropout: bool = False  # keeps 1-byte masks per dropout site when True
+    gated_linear_unit: bool = field(default=False, repr=False)  # alias kept for Megatron args
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attn = h * (h + 2 * self.kv_size) + h * h
+        mlp = h * f * (3 if self.swiglu else 2)
+        norms = 2 * h
+        return attn + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        out = self.embedding_params if self.untie_embeddings_and_output_weights else 0
+        return self.num_layers * self.layer_params + self.embedding_params + out + self.hidden_size
+
+    def stage_params(self, pp: int) -> int:
+        """Parameters of the heaviest pipeline stage (layers split evenly; embedding on the
+        first stage, output layer on the last; both on the one stage when pp == 1)."""
+        layers = self.num_layers // pp * self.layer_params
+        emb = self.embedding_params
+        if pp == 1:
+            return self.num_params
+        # the last stage holds the output layer (a synced copy of the embedding when tied)
+        return layers + emb + self.hidden_size
+
+    def valid_tp(self, tp: int) -> bool:
+        return self.num_attention_heads % tp == 0 and self.num_query_groups % tp == 0
+
+    def valid_pp(self, pp: int) -> bool:
+        return self.num_layers % pp == 0
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelSpec":
+        key = name.strip().lower()
+        if key not in MODEL_PRESETS:
+            raise ValueError(f"model preset {name!r}: known {sorted(MODEL_PRESETS)}")
+        return MODEL_PRESETS[key]
+
+    @classmethod
+    def from_megatron_args(cls, args: Any, name: str | None = None) -> "ModelSpec":
+        """From an argparse.Namespace with Megatron's argument names."""
+        g = lambda k, d=None: getattr(args, k, d)  # noqa: E731
+        heads = int(g("num_attention_heads"))
+        groups = g("num_query_groups")
+        if groups is None or not g("group_query_attention", True):
+            groups = heads
+        hidden = int(g("hidden_size"))
+        swiglu = bool(g("swiglu", False))
+        ffn = g("ffn_hidden_size")
+        if ffn is None:
+            ffn = 4 * hidden if not swiglu else int(4 * hidden * 2 / 3 / 64) * 64
+        vocab = g("padded_vocab_size") or g("vocab_size")
+        if vocab is None:
+            raise ValueError("Megatron args carry neither padded_vocab_size nor vocab_size")
+        half = bool(g("bf16", False) or g("fp16", False))
+        dropout = float(g("hidden_dropout", 0.0) or 0.0) > 0 or float(g("attention_dropout", 0.0) or 0.0) > 0
+        return cls(
+            name=name or g("model_name", None) or "megatron-args",
+            num_layers=int(g("num_layers")),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=int(groups),
+            ffn_hidden_size=int(ffn),
+            vocab_size=int(vocab),
+            seq_length=int(g("seq_length", 0) or g("max_position_embeddings", 0) or 0),
+            swiglu=swiglu,
+            untie_embeddings_and_output_weights=bool(g("untie_embeddings_and_output_weights", False)),
+            param_bytes=2 if half else 4,
+            grad_bytes=4 if (g("accumulate_allreduce_grads_in_fp32", False) or not half) else 2,
+            optimizer_bytes_per_param=12 if half else 8,
+            activation_bytes=2 if half else 4,
+            sequence_parallel=bool(g("sequence_parallel", True)),
+            hidden_dropout=dropout,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("gated_linear_unit", None)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelSpec":
+        if set(d) <= {"name"}:
+            return cls.from_preset(d["name"])
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def with_(self, **changes: Any) -> "ModelSpec":
+        return replace(self, **changes)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    "gpt-1.3b": ModelSpec(
+        "gpt-1.3b", 24, 2048, 16, 16, 8192, 50304, 2048, swiglu=False,
+        untie_embeddings_and_output_weights=False, hidden_dropout=True,
+    ),
+    # The CPU demo (examples/): fp32 on gloo ranks, byte-level vocabulary.
+    "demo": ModelSpec(
+        "demo", 4, 256, 8, 4, 704, 260, 2048, swiglu=True, untie_embeddings_and_output_weights=True,
+        param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8, activation_bytes=4,
+    ),
+}
