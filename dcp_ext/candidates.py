@@ -44,7 +44,7 @@ class TypeOnBatch:
     cost: np.ndarray  # sorted order (longest first)
     alone: np.ndarray
     rs: np.ndarray
-    cum: np.ndarray  # len n+1, BIG-substituted
+    cum: np.ndarray  # len n+1 prefix sums (0 for documents it cannot hold)
     first_ok: int  # first sorted position the layout can hold
     c0: float
 
@@ -73,7 +73,9 @@ class BatchPrep:
         first_ok = int(np.argmax(fin)) if fin.any() else self.n
         if fin.any() and not fin[first_ok:].all():  # pragma: no cover - sorted: misfits are a prefix
             first_ok = self.n
-        c = np.where(fin, dc.cost, BIG)
+        # documents a layout cannot hold are a prefix (longest first) that no range may
+        # start in; count them as 0 so the sums stay exact for the rest
+        c = np.where(fin, dc.cost, 0.0)
         cum = np.concatenate([[0.0], np.cumsum(c)])
         tob = TypeOnBatch(tt, dc.cost, dc.alone, dc.rs, cum, first_ok, self.cm.coeffs(lay, 0).c0)
         self.types[lay] = tob
@@ -251,7 +253,7 @@ def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
             q = np.ceil(diff / w - 1e-12)
             q = np.maximum(q, 1.0)
             gpus = q * lay.size + f_next[None, :]
-            valid = tri & ok_start[:, None] & (q <= world // lay.size) & (diff < BIG / 2)
+            valid = tri & ok_start[:, None] & (q <= world // lay.size)
             gpus = np.where(valid, gpus, np.inf)
             stay = f_next.copy()  # take nothing
             best_e = np.argmin(gpus, axis=1)

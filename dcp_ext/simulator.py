@@ -191,6 +191,17 @@ class BoundTables:
 
 
 def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None) -> BoundTables:
+    """Per document and layout: the fewest device-seconds it can cost, and its time alone.
+
+    Device-seconds of a document on a layout: g * min over recompute levels rs that hold it
+    of [additive stage cost at rs + c0 * pp * keep(rs) * s / free]. The second term is the
+    micro-batch constant the document must share: 1F1B holds pp consecutive micro-batches
+    in flight on stage 0, so the kept activations of any pp consecutive ones fit in the
+    free memory; a replica whose documents keep S bytes in all therefore runs at least
+    pp*S/free - (pp-1) micro-batches, each costing at least c0 (the cheapest constant of
+    the layout), and its pipeline fill and drain cost at least (pp-1)*c0 more: together
+    at least c0*pp*S/free on top of the additive costs.
+    """
     layouts = list(layouts) if layouts is not None else cm.all_layouts()
     s = np.asarray(lengths, dtype=float)
     n, k = len(s), len(layouts)
@@ -198,20 +209,35 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     alone = np.full((n, k), np.inf)
     sync = np.empty(k)
     for j, lay in enumerate(layouts):
+        c0_min = cm.coeffs(lay, 0).c0  # the cheapest micro-batch constant of this layout
         sync[j] = cm.sync_time(lay, None)
         Ls = cm.layers_per_stage(lay)
+        free = cm.capacity_bytes - cm.state_bytes(lay)
+        if free <= 0:
+            continue
         # smallest recompute that holds each document alone (monotone in rs)
         caps = np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)])
         caps = np.maximum.accumulate(caps)
         rs_min = np.searchsorted(caps, s, side="left")  # first rs with cap >= s
+        best = np.full(n, np.inf)
+        for rs in range(int(rs_min.min()) if n else 0, Ls + 1):
+            sel = rs_min <= rs
+            if not sel.any():
+                continue
+            co = cm.coeffs(lay, rs)
+            keep = cm.act_bytes_per_token(lay, rs)[0]
+            per_token_share = c0_min * lay.pp * keep / free
+            ss = s[sel]
+            cost = co.doc_cost(ss) + per_token_share * ss
+            best[sel] = np.minimum(best[sel], cost)
+        gs[:, j] = lay.size * best
         for rs in np.unique(rs_min):
             if rs > Ls:
                 continue
             sel = rs_min == rs
             co = cm.coeffs(lay, int(rs))
             ss = s[sel]
-            gs[sel, j] = lay.size * co.doc_cost(ss)
-            alone[sel, j] = lay.pp * co.mb_time(ss * ss, ss, 1) + sync[j]
+            alone[sel, j] = lay.pp * co.mb_time(ss * ss, ss, 1) + cm.sync_time(lay, None)
     return BoundTables(gs, alone, sync, layouts)
 
 

@@ -36,14 +36,25 @@ class TypeTable:
     caps_alone: list[float]  # max tokens of a lone micro-batch per allowed rs (monotone)
     cap_mb: float  # max tokens of a micro-batch without recompute, 1F1B window included
     sync_lb: float  # receive-side sync (lower bound)
+    caps_window: list[float] = field(default_factory=list)  # per allowed_rs, pp equal ones in flight
 
     @property
     def max_doc(self) -> float:
         return self.caps_alone[-1] if self.caps_alone else 0.0
 
     def rs_for(self, tokens: float) -> int | None:
+        """Fewest recomputed layers per stage that hold `tokens` alone."""
         i = bisect.bisect_left(self.caps_alone, tokens)
         return self.allowed_rs[i] if i < len(self.allowed_rs) else None
+
+    def rs_planned(self, tokens: float) -> int | None:
+        """Recompute a planner gives a micro-batch of `tokens`: enough that pp such
+        micro-batches fit in flight (pipelines), else the least that holds it alone."""
+        if self.pp > 1 and self.caps_window:
+            i = bisect.bisect_left(self.caps_window, tokens)
+            if i < len(self.allowed_rs):
+                return self.allowed_rs[i]
+        return self.rs_for(tokens)
 
 
 def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> TypeTable:
@@ -60,7 +71,8 @@ def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> Ty
             rs_ok.append(rs)
             best = c
     cap_mb = cm.max_tokens(layout, 0, layout.pp) if layout.pp > 1 else cm.max_tokens(layout, 0, 1)
-    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None))
+    win = list(np.maximum.accumulate([cm.max_tokens(layout, rs, layout.pp) for rs in rs_ok])) if layout.pp > 1 else []
+    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None), win)
 
 
 @dataclass
@@ -78,6 +90,10 @@ def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
     alone = np.full(n, np.inf)
     rs_arr = np.full(n, -1, dtype=np.int64)
     idx = np.searchsorted(np.asarray(tt.caps_alone), s, side="left")
+    if tt.pp > 1 and tt.caps_window:
+        # pipelines: the recompute that lets pp such micro-batches be in flight, if any
+        iw = np.searchsorted(np.asarray(tt.caps_window), s, side="left")
+        idx = np.where(iw < len(tt.allowed_rs), iw, idx)
     sf = s.astype(float)
     for k in np.unique(idx):
         if k >= len(tt.allowed_rs):
@@ -206,7 +222,7 @@ def pack_replica(
     short = [d for d in docs if s[d] <= cap]
     mbs: list[tuple[list[int], int]] = []
     for d in long_docs:
-        rs = tt.rs_for(float(s[d]))
+        rs = tt.rs_planned(float(s[d]))
         if rs is None:
             raise PlanningError(f"a sequence of {int(s[d])} tokens does not fit {tt.layout} (longest {int(tt.max_doc)})")
         mbs.append(([d], rs))
@@ -247,49 +263,71 @@ def pack_replica(
     return mbs
 
 
-def order_for_pipeline(cm: CostModel, layout: Layout, s: np.ndarray, mbs: list[tuple[list[int], int]]):
-    """Order micro-batches for 1F1B: cheapest first (short fill), then the rest by cost
-    descending (short drain). Returns (ordered mbs, fwd list, bwd list)."""
+def order_for_pipeline(cm: CostModel, layout: Layout, s: np.ndarray, mbs: list[tuple[list[int], int]], keep_order: bool = False):
+    """Order micro-batches for 1F1B: by cost descending (the fill pays a third of the
+    largest, the drain the smallest; neighbours of similar size hide each other).
+    Returns (ordered mbs, fwd list, bwd list)."""
     stats = []
     for docs, rs in mbs:
         s2, t, n = _mb_stats(s, docs)
         f, b = cm.coeffs(layout, rs).mb_fwd_bwd(s2, t, n)
         stats.append((f + b, f, b, docs, rs))
-    if layout.pp > 1 and len(stats) > 2:
-        stats.sort(key=lambda x: x[0])
-        first = stats[0]
-        rest = sorted(stats[1:], key=lambda x: -x[0])
-        stats = [first] + rest
+    if layout.pp > 1 and len(stats) > 1 and not keep_order:
+        stats.sort(key=lambda x: -x[0])
     return [(x[3], x[4]) for x in stats], [x[1] for x in stats], [x[2] for x in stats]
 
 
 def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], int]], float]:
-    """Raise recompute on the largest micro-batches until the replica's peak fits."""
-    cap = cm.capacity_bytes
-    mbs = [(d, rs) for d, rs in mbs]
-    tokens = [float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs]
-    while True:
-        peak = cm.replica_peak_bytes(tt.layout, tokens, [rs for _, rs in mbs])
-        if peak <= cap or not mbs:
-            return mbs, peak
-        # bump the biggest micro-batch that can still recompute more
-        cands = [i for i, (_, rs) in enumerate(mbs) if rs < tt.allowed_rs[-1]]
-        if not cands:
+    """Raise recompute on the largest micro-batches of the fullest 1F1B window until the
+    replica's peak fits (micro-batches in their final order)."""
+    if not mbs:
+        return mbs, cm.state_bytes(tt.layout)
+    lay = tt.layout
+    free = cm.capacity_bytes - cm.state_bytes(lay)
+    levels = tt.allowed_rs
+    per = np.array([cm.act_bytes_per_token(lay, rs) for rs in levels])  # [level, (keep, trans, logits)]
+    pos_of = {rs: i for i, rs in enumerate(levels)}
+    tokens = np.array([float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs])
+    lvl = np.array([pos_of.get(rs, 0) for _, rs in mbs])
+    m, w = len(mbs), min(tt.pp, len(mbs))
+    top = len(levels) - 1
+    for _ in range(m * len(levels) + 1):
+        keep = per[lvl, 0] * tokens
+        trans = per[lvl, 1] * tokens
+        last = keep + trans + per[lvl, 2] * tokens
+        over_last = last - free
+        if w > 1:
+            cs = np.concatenate([[0.0], np.cumsum(keep)])
+            win = cs[w:] - cs[:-w]
+            tmax = np.lib.stride_tricks.sliding_window_view(trans, w).max(axis=1)
+            over_win = win + tmax - free
+        else:
+            over_win = np.array([-1.0])
+        worst_last = int(np.argmax(over_last))
+        worst_win = int(np.argmax(over_win))
+        if over_last[worst_last] <= 0 and over_win[worst_win] <= 0:
+            peak = free - min(-over_last.max(), -over_win.max())
+            return [(d, levels[int(l)]) for (d, _), l in zip(mbs, lvl)], cm.state_bytes(lay) + peak
+        if over_last[worst_last] > over_win[worst_win]:
+            cand = [worst_last] if lvl[worst_last] < top else []
+        else:
+            span = range(worst_win, worst_win + w)
+            cand = sorted((i for i in span if lvl[i] < top), key=lambda i: -keep[i])[:1]
+        if not cand:
             raise PlanningError(
-                f"micro-batches of {int(max(tokens))} tokens do not fit {tt.layout} even with recompute "
-                f"(peak {peak / 1e9:.1f} GB > {cap / 1e9:.1f} GB)"
+                f"micro-batches of {int(tokens.max())} tokens do not fit {lay} even with full recompute "
+                f"(capacity {cm.capacity_bytes / 1e9:.1f} GB)"
             )
-        i = max(cands, key=lambda i: tokens[i])
-        nxt = [r for r in tt.allowed_rs if r > mbs[i][1]]
-        mbs[i] = (mbs[i][0], nxt[0])
+        lvl[cand[0]] += 1
+    raise PlanningError(f"could not fit the micro-batches of a {lay} replica in memory")  # pragma: no cover
 
 
 def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray, mbs, num_replicas: int) -> PackedReplica:
+    mbs, _, _ = order_for_pipeline(cm, tt.layout, s, mbs)
     mbs, peak = fit_memory(cm, tt, s, mbs)
-    mbs, fwd, bwd = order_for_pipeline(cm, tt.layout, s, mbs)
+    mbs, fwd, bwd = order_for_pipeline(cm, tt.layout, s, mbs, keep_order=True)
     pipe = one_f_one_b(fwd, bwd, tt.pp).makespan
     sync = cm.sync_time(tt.layout, num_replicas)
-    peak = cm.replica_peak_bytes(tt.layout, [float(sum(s[d] for d in docs)) for docs, _ in mbs], [rs for _, rs in mbs])
     return PackedReplica(tt.layout, ranks, mbs, pipe + sync, pipe, sync, peak)
 
 

@@ -1,0 +1,1 @@
+"""Command-line tools: dcp-plan, dcp-simulate (pure) and dcp-profile (torch harness)."""

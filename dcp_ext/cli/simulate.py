@@ -1,0 +1,138 @@
+"""dcp-simulate: every planner on the same global batches, priced by one cost model.
+
+Why it exists: "what would adaptive parallelism buy on my data and my cluster?",
+answered on a laptop. Prints a table (mean iteration time, speedup vs static, gap to the
+lower bound, planning time, peak predicted memory) and can draw one iteration.
+
+    dcp-simulate --lengths data.txt --model llama2-7b --cluster h200x64 \
+        --global-batch-tokens 4194304 --max-seq-len 131072 --iterations 20 \
+        [--planners adaptive,static,...] [--timeline it.png] [--json results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from dcp_ext.cli.common import add_common_args, batches, cluster_spec, load_lengths, model_spec
+from dcp_ext.cost_model import CostModel
+from dcp_ext.data.progress import Progress
+from dcp_ext.plan import validate_iteration
+from dcp_ext.planner import PLANNERS, make_planner
+from dcp_ext.simulator import lower_bound, simulate_iteration
+
+
+def run(args) -> dict:
+    lengths = load_lengths(args.lengths)
+    truncated = np.minimum(lengths, args.max_seq_len)
+    model, cluster = model_spec(args.model), cluster_spec(args.cluster)
+    names = [n.strip() for n in args.planners.split(",") if n.strip()]
+    for n in names:
+        if n not in PLANNERS:
+            raise SystemExit(f"unknown planner {n!r}; choose from {', '.join(PLANNERS)}")
+    bs = batches(args, lengths)
+    cm = CostModel(model, cluster, None, args.memory_margin)
+    results: dict = {"model": model.name, "cluster": cluster.name, "iterations": len(bs),
+                     "global_batch_tokens": args.global_batch_tokens, "max_seq_len": args.max_seq_len,
+                     "lengths": args.lengths, "planners": {}}
+    plans = {}
+    for name in names:
+        t0 = time.perf_counter()
+        planner = make_planner(name, model, cluster, max_seq_len=args.max_seq_len,
+                               global_batch_tokens=args.global_batch_tokens, length_sample=truncated,
+                               profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
+                               progress=not args.quiet)
+        build_s = time.perf_counter() - t0
+        if name == names[0] and planner.cm.profile is not None:
+            cm = planner.cm
+        times, plan_s, peaks, layouts, valid = [], [], [], [], True
+        its = []
+        with Progress(f"simulate {name}", total=len(bs), unit="it", enabled=not args.quiet) as bar:
+            for i, ids in enumerate(bs):
+                lens = truncated[ids]
+                t1 = time.perf_counter()
+                it = planner.plan_iteration(i, ids, lens.tolist())
+                plan_s.append(time.perf_counter() - t1)
+                try:
+                    validate_iteration(it, cluster.num_gpus, model.num_layers, model.num_attention_heads, model.num_query_groups)
+                except ValueError as e:
+                    valid = False
+                    print(f"{name} iteration {i}: INVALID: {e}", file=sys.stderr)
+                res = simulate_iteration(planner.cm, it, dict(zip(ids, lens.tolist())))
+                valid &= res.memory_ok
+                times.append(res.time_s)
+                peaks.append(res.peak_memory_fraction)
+                layouts.append("+".join(sorted({f"tp{r.tp}cp{r.cp}pp{r.pp}" for r in it.replicas})))
+                its.append(it)
+                bar.update(1)
+        plans[name] = its
+        results["planners"][name] = {
+            "describe": planner.describe(), "build_s": build_s, "times_s": times, "mean_s": float(np.mean(times)),
+            "plan_ms_median": 1000 * float(np.median(plan_s)), "plan_ms_max": 1000 * float(np.max(plan_s)),
+            "peak_memory_fraction": float(np.max(peaks)), "valid": bool(valid),
+            "distinct_layouts": len(set(layouts)),
+        }
+    lb_cm = cm
+    lbs = []
+    with Progress("lower bound", total=len(bs), unit="it", enabled=not args.quiet) as bar:
+        for ids in bs:
+            lbs.append(lower_bound(lb_cm, truncated[ids].tolist()))
+            bar.update(1)
+    results["lower_bound_s"] = lbs
+    results["lower_bound_mean_s"] = float(np.mean(lbs))
+    static = results["planners"].get("static", {}).get("mean_s")
+    for name, r in results["planners"].items():
+        r["speedup_vs_static"] = static / r["mean_s"] if static else None
+        r["gap_to_bound"] = float(np.mean(np.asarray(r["times_s"]) / np.asarray(lbs)) - 1)
+        r["min_ratio_to_bound"] = float(np.min(np.asarray(r["times_s"]) / np.asarray(lbs)))
+    if args.timeline:
+        from dcp_ext.timeline import render_timeline
+
+        tl = args.timeline_planner if args.timeline_planner in plans else names[0]
+        k = min(args.timeline_iteration, len(bs) - 1)
+        ids = bs[k]
+        render_timeline(cm, plans[tl][k], dict(zip(ids, truncated[ids].tolist())), args.timeline,
+                        title=f"{tl}: {model.name} on {cluster.name}, iteration {k}, predicted {plans[tl][k].predicted_time_s:.3f} s")
+        results["timeline"] = args.timeline
+    return results
+
+
+def format_table(results: dict) -> str:
+    head = (f"{results['model']} on {results['cluster']}, {results['lengths']}, {results['iterations']} iterations of "
+            f"{results['global_batch_tokens']} tokens, max-seq-len {results['max_seq_len']}; "
+            f"lower bound {results['lower_bound_mean_s']:.3f} s/iter")
+    cols = ["planner", "mean s/iter", "vs static", "gap to bound", "plan ms/iter", "peak mem/cap", "valid", "layouts"]
+    rows = []
+    for name, r in results["planners"].items():
+        sp = f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-"
+        rows.append([name, f"{r['mean_s']:.3f}", sp, f"{100 * r['gap_to_bound']:.1f}%", f"{r['plan_ms_median']:.1f}",
+                     f"{r['peak_memory_fraction']:.2f}", "yes" if r["valid"] else "NO", str(r["distinct_layouts"])])
+    w = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda xs: "| " + " | ".join(x.ljust(w[i]) for i, x in enumerate(xs)) + " |"  # noqa: E731
+    out = [head, "", line(cols), "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dcp-simulate", description=__doc__.split("\n\n")[0])
+    add_common_args(p)
+    p.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated; default all")
+    p.add_argument("--timeline", default=None, help="PNG of one iteration")
+    p.add_argument("--timeline-planner", default="adaptive")
+    p.add_argument("--timeline-iteration", type=int, default=0)
+    p.add_argument("--json", default=None, help="write all numbers here")
+    args = p.parse_args(argv)
+    results = run(args)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["valid"] for r in results["planners"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

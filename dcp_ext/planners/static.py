@@ -1,0 +1,125 @@
+"""The `static` baseline: upstream Megatron as a careful user would run it.
+
+Why it exists: a speedup is only worth reporting against a strong baseline. This one gets
+the best single (tp, cp, pp, recompute) for the run, searched with the same cost model on
+batches drawn from the same length histogram the adaptive planner sees; documents are
+packed first-fit-decreasing into packs of at most max_seq_len tokens (Megatron's
+--seq-length, THD with document-masked attention: cost sum s^2, never pack length^2);
+packs are dealt round-robin to the data-parallel replicas, so every replica runs the
+same number of micro-batches (one more for some when the count does not divide). The
+recompute is the least that lets a full pack (and, with pipelines, pp of them in flight)
+fit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from dcp_ext.cost_model import Layout
+from dcp_ext.plan import IterationPlan
+from dcp_ext.planners.base import PlannerBase
+from dcp_ext.planners.common import (
+    PackedReplica,
+    PlanningError,
+    first_fit_decreasing,
+    place,
+    sample_batches,
+    to_iteration_plan,
+)
+from dcp_ext.simulator import one_f_one_b
+
+
+class StaticPlanner(PlannerBase):
+    name = "static"
+
+    def __init__(self, model, cluster, max_seq_len, global_batch_tokens, length_sample=None, profile=None,
+                 memory_margin=0.1, seed=0, progress=False, *, layout: tuple[int, int, int] | None = None,
+                 recompute_layers: int | None = None, sample_count: int = 16):
+        super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
+        cands = self._candidates()
+        if layout is not None:
+            lay = Layout(*layout)
+            rs = self._min_rs(lay) if recompute_layers is None else self.cm.stage_recompute(lay, recompute_layers)
+            if rs is None:
+                raise PlanningError(f"{lay} cannot hold a pack of {self.max_seq_len} tokens")
+            cands = [(lay, rs)]
+        if not cands:
+            raise PlanningError(
+                f"no single layout of {model.name} on {cluster.name} holds a pack of {self.max_seq_len} tokens"
+            )
+        self.search: list[tuple[float, Layout, int]] = []
+        if len(cands) == 1:
+            self.layout, self.rs = cands[0]
+        else:
+            batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
+            packed = [self._packs(np.asarray(b)) for b in batches]
+            for lay, rs in cands:
+                t = float(np.mean([self._time(lay, rs, np.asarray(b), pk)[0] for b, pk in zip(batches, packed)]))
+                self.search.append((t, lay, rs))
+            self.search.sort(key=lambda x: (x[0], x[1].size))
+            _, self.layout, self.rs = self.search[0]
+        self.replicas = place([self.layout] * (cluster.num_gpus // self.layout.size), cluster.num_gpus)
+        self._register(self.replicas)
+
+    def describe(self) -> str:
+        return f"static: {self.layout} x{len(self.replicas)}, recompute {self.cm.recompute_layers(self.layout, self.rs)} layers"
+
+    # ------------------------------------------------------------------ search
+    def _min_rs(self, lay: Layout) -> int | None:
+        inflight = lay.pp
+        for rs in range(self.cm.layers_per_stage(lay) + 1):
+            if self.cm.max_tokens(lay, rs, inflight) >= self.max_seq_len:
+                return rs
+        return None
+
+    def _candidates(self) -> list[tuple[Layout, int]]:
+        out = []
+        for lay in self.cm.all_layouts():
+            rs = self._min_rs(lay)
+            if rs is not None:
+                out.append((lay, rs))
+        return out
+
+    def _packs(self, s: np.ndarray) -> list[list[int]]:
+        packs = first_fit_decreasing(range(len(s)), s, self.max_seq_len)
+        return packs
+
+    def _deal(self, packs: list[list[int]], d: int) -> list[list[list[int]]]:
+        per: list[list[list[int]]] = [[] for _ in range(d)]
+        for i, p in enumerate(packs):
+            per[i % d].append(p)
+        return per
+
+    def _time(self, lay: Layout, rs: int, s: np.ndarray, packs) -> tuple[float, list[PackedReplica]]:
+        d = self.cluster.num_gpus // lay.size
+        co = self.cm.coeffs(lay, rs)
+        sync = self.cm.sync_time(lay, d)
+        reps = []
+        worst = 0.0
+        for mbs in self._deal(packs, d):
+            fwd, bwd = [], []
+            for p in mbs:
+                v = s[p].astype(float)
+                f, b = co.mb_fwd_bwd(float(v @ v), float(v.sum()), len(p))
+                fwd.append(f)
+                bwd.append(b)
+            pipe = one_f_one_b(fwd, bwd, lay.pp).makespan
+            worst = max(worst, pipe + sync)
+            reps.append((mbs, pipe, sync))
+        return worst, reps
+
+    # ------------------------------------------------------------------ per iteration
+    def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
+        s = self._check_input(sample_ids, lengths)
+        if len(s) and s.max() > self.max_seq_len:
+            raise PlanningError(f"a sequence of {int(s.max())} tokens is longer than the pack length {self.max_seq_len}")
+        packs = self._packs(s)
+        _, reps = self._time(self.layout, self.rs, s, packs)
+        out = []
+        for (lay, ranks), (mbs, pipe, sync) in zip(self.replicas, reps):
+            tokens = [float(s[p].sum()) for p in mbs]
+            peak = self.cm.replica_peak_bytes(lay, tokens, [self.rs] * len(mbs))
+            out.append(PackedReplica(lay, ranks, [(p, self.rs) for p in mbs], pipe + sync, pipe, sync, peak))
+        return to_iteration_plan(index, sample_ids, out, self.cm)
