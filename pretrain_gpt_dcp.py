@@ -90,7 +90,17 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def quiet_known_warnings() -> None:
+    """megatron-core warns at import about optional GPU packages; say it once in the README instead."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*is deprecated.*")
+
+
 def main(argv=None) -> None:
+    quiet_known_warnings()
     from megatron.training.training import pretrain
 
     argv = sys.argv[1:] if argv is None else argv

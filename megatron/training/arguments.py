@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--log-throughput", action="store_true", help="accepted for compatibility; always logged")
+    g.add_argument("--loss-log", type=str, default=None,
+                   help="append each iteration's exact loss, grad norm and lr as JSON lines (last rank)")
 
     g = p.add_argument_group("adaptive parallelism (this fork)")
     g.add_argument("--dcp", action="store_true", help="plan the layout per iteration from the data")

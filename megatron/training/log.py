@@ -5,6 +5,7 @@ working; throughput counts causal attention per document (dcp_ext.flops).
 """
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime
 
@@ -23,8 +24,8 @@ class TrainingLogger:
         self.skipped = 0
         self.nan = 0
         self.writer = None
-        last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-        if args.tensorboard_dir and last_rank:
+        self.last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        if args.tensorboard_dir and self.last_rank:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -64,6 +65,11 @@ class TrainingLogger:
         self.window_flops += iteration_flops
         lr = scheduler.get_lr(optimizer.param_groups[0]) if hasattr(scheduler, "get_lr") else float("nan")
         loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
+        if self.args.loss_log and self.last_rank:
+            record = {"iteration": iteration, "lm loss": loss, "grad norm": grad_norm, "lr": lr,
+                      "consumed samples": consumed_samples, "skipped": not update_successful}
+            with open(self.args.loss_log, "a") as f:
+                f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)

@@ -156,8 +156,14 @@ def build_model_and_optimizer(args, model_provider: Callable):
     return model, optimizer, config
 
 
-def _report_error_and_exit(message: str, code: int = 1) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True) -> None:
+    """One line on stderr and a non-zero exit. Errors every rank meets alike (flags) print once."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank or rank == 0:
+        prefix = f"[rank {rank}] " if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -176,7 +182,7 @@ def pretrain(
     try:
         args = parse_args(argv)
     except ArgumentError as e:
-        _report_error_and_exit(str(e), 2)
+        _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
     try:
         return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func)

@@ -1,0 +1,72 @@
+"""Test helpers: spawn gloo ranks in-process, launch the real entry point under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = os.path.join(REPO, "pretrain_gpt_dcp.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, result_dir):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    from dcp_ext import cpu_compat
+
+    cpu_compat.install()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+        status = {"ok": True, "result": out}
+    except BaseException:
+        status = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
+        json.dump(status, f)
+    dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args):
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the JSON-able results."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
+                           start_method="spawn", join=True)
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(d, f"{r}.json")) as f:
+                status = json.load(f)
+            if not status["ok"]:
+                raise AssertionError(f"rank {r} failed:\n{status['error']}")
+            results.append(status["result"])
+    return results
+
+
+def launch(flags: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run pretrain_gpt_dcp.py with `flags` on `nproc` CPU ranks (torchrun), capturing output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", ENTRY]
+    if nproc == 1:
+        cmd = [sys.executable, ENTRY]
+    full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
+    return subprocess.run(cmd + flags, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_loss_log(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

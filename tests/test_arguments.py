@@ -1,0 +1,82 @@
+"""Megatron-compatible flags: derived values, YAML, and one clear error per invalid combination."""
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "128",
+    "--train-iters", "10", "--lr", "1e-3", "--data-path", "/data/x_text_document",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+]
+
+
+def test_defaults_and_derived_values_follow_megatron():
+    args = parse_args(BASE, world_size=4)
+    assert args.data_parallel_size == 4
+    assert args.num_microbatches == 2  # 16 / (2 * 4)
+    assert args.ffn_hidden_size == 256  # 4h
+    assert args.kv_channels == 8
+    assert args.num_query_groups == 8  # no GQA -> one group per head
+    assert args.max_position_embeddings == 128
+    assert args.lr_decay_iters == 10
+    assert args.distributed_backend in ("gloo", "nccl")
+
+
+def test_swiglu_ffn_size_keeps_parameter_count_like_megatron():
+    args = parse_args(BASE + ["--swiglu", "--hidden-size", "192", "--num-attention-heads", "8"], world_size=1)
+    assert args.ffn_hidden_size == 512  # int(4*192*2/3 / 64) * 64
+
+
+def test_yaml_keys_are_flag_names_and_command_line_wins(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num-layers: 6\nhidden_size: 96\nnum-attention-heads: 4\nseq-length: 64\n"
+                   "train-iters: 3\nlr: 0.01\ndata-path: /d/p_text_document\n")
+    args = parse_args(["--yaml-cfg", str(cfg), "--num-layers", "2"], world_size=1)
+    assert args.num_layers == 2 and args.hidden_size == 96 and args.data_path == ["/d/p_text_document"]
+
+
+@pytest.mark.parametrize(
+    "extra,world,needle",
+    [
+        (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible by tp*pp*cp"),
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+         4, "not divisible by tp*pp*cp"),
+        (["--tensor-model-parallel-size", "16"], 16, "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 16"),
+        (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+         "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+        (["--context-parallel-size", "2", "--seq-length", "130"], 2, "multiple of 2*context-parallel-size = 4"),
+        (["--global-batch-size", "12"], 4, "--global-batch-size 12 is not divisible by micro-batch-size x data-parallel-size"),
+        (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+        (["--no-such-flag"], 1, "unknown flag --no-such-flag"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--dcp"], 1, "--dcp needs --dcp-global-batch-tokens"),
+        (["--save-interval", "5"], 1, "--save-interval needs --save DIR"),
+        (["--bf16", "--fp16"], 1, "mutually exclusive"),
+    ],
+)
+def test_invalid_combinations_give_one_line_naming_the_fix(extra, world, needle):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(BASE + extra, world_size=world)
+    message = str(e.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_missing_required_flag_and_data_path():
+    with pytest.raises(ArgumentError, match="--lr is required"):
+        parse_args([a for a in BASE if a not in ("--lr", "1e-3")], world_size=1)
+    no_data = BASE[: BASE.index("--data-path")] + BASE[BASE.index("--data-path") + 2 :]
+    with pytest.raises(ArgumentError, match="--data-path is required"):
+        parse_args(no_data, world_size=1)
+
+
+def test_yaml_unknown_key_and_bad_file(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num-layerz: 6\n")
+    with pytest.raises(ArgumentError, match="unknown key 'num-layerz'"):
+        parse_args(["--yaml-cfg", str(cfg)] + BASE, world_size=1)
+    with pytest.raises(ArgumentError, match="no such file"):
+        parse_args(["--yaml-cfg", str(tmp_path / "missing.yaml")] + BASE, world_size=1)
+    cfg.write_text("a: [unclosed\n")
+    with pytest.raises(ArgumentError, match="not valid YAML"):
+        parse_args(["--yaml-cfg", str(cfg)] + BASE, world_size=1)

@@ -1,0 +1,62 @@
+"""Specs: presets, Megatron arguments, JSON round trip (pure, fast)."""
+import argparse
+
+import pytest
+
+from dcp_ext.specs import ClusterSpec, ModelSpec
+
+
+@pytest.mark.parametrize("name,n,per_node,kind", [
+    ("h200x64", 64, 8, "h200"), ("h100x8", 8, 8, "h100"), ("a800x64", 64, 8, "a800"), ("h200x256", 256, 8, "h200"),
+    ("cpu-gloox4", 4, 4, "cpu-gloo"), ("cpu-gloo x4", 4, 4, "cpu-gloo"), ("cpu-gloo-x8", 8, 8, "cpu-gloo"),
+    ("H200x4", 4, 4, "h200"),
+])
+def test_cluster_presets(name, n, per_node, kind):
+    c = ClusterSpec.from_preset(name)
+    assert (c.num_gpus, c.gpus_per_node, c.gpu_kind) == (n, per_node, kind)
+    assert ClusterSpec.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("bad", ["h200", "x64", "tpu-v5x8", "h200x0"])
+def test_cluster_preset_errors(bad):
+    with pytest.raises(ValueError):
+        ClusterSpec.from_preset(bad)
+
+
+def test_cpu_gloo_is_one_node():
+    c = ClusterSpec.cpu_gloo(6)
+    assert c.num_gpus == c.gpus_per_node == 6 and c.name == "cpu-gloox6"
+
+
+# Published parameter counts (Llama 2 paper / model cards: 6.74B, 13.0B, 68.98B)
+@pytest.mark.parametrize("name,params", [("llama2-7b", 6.738e9), ("llama2-13b", 13.016e9), ("llama2-70b", 68.977e9)])
+def test_model_presets_match_published_sizes(name, params):
+    m = ModelSpec.from_preset(name)
+    assert abs(m.num_params - params) / params < 0.002
+
+
+def test_gpt_preset_and_demo():
+    g = ModelSpec.from_preset("gpt-1.3b")
+    assert 1.2e9 < g.num_params < 1.45e9 and not g.swiglu
+    d = ModelSpec.from_preset("demo")
+    assert d.num_layers == 4 and d.num_attention_heads % d.num_query_groups == 0 and 256 <= d.vocab_size <= 384
+
+
+def test_from_megatron_args():
+    args = argparse.Namespace(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=None,
+                              group_query_attention=False, ffn_hidden_size=11008, padded_vocab_size=32000,
+                              seq_length=4096, swiglu=True, untie_embeddings_and_output_weights=True, bf16=True)
+    m = ModelSpec.from_megatron_args(args, name="llama2-7b")
+    ref = ModelSpec.from_preset("llama2-7b")
+    assert m.num_params == ref.num_params and m.num_query_groups == 32 and m.param_bytes == 2
+    gqa = argparse.Namespace(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
+                             group_query_attention=True, ffn_hidden_size=None, vocab_size=260, seq_length=2048,
+                             swiglu=False, bf16=False)
+    m2 = ModelSpec.from_megatron_args(gqa)
+    assert m2.num_query_groups == 4 and m2.ffn_hidden_size == 1024 and m2.param_bytes == 4
+
+
+def test_model_json_round_trip():
+    m = ModelSpec.from_preset("llama2-70b")
+    assert ModelSpec.from_json(m.to_json()) == m
+    assert ModelSpec.from_json({"name": "llama2-7b"}) == ModelSpec.from_preset("llama2-7b")
