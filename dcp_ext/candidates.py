@@ -333,8 +333,14 @@ def build_pool(
     max_layouts: int = 16,
     progress: Callable[[int, int], None] | None = None,
     prune: bool = False,
+    extra_batches: Sequence[np.ndarray] = (),
+    extra_weight: float = 0.25,
 ) -> Pool:
-    """Pick <= max_layouts layouts for the run (see the module docstring)."""
+    """Pick <= max_layouts layouts for the run (see the module docstring).
+
+    `extra_batches` (e.g. only short or only long documents of the histogram) widen the
+    pool towards batches that are rarer than the typical ones; they count with
+    `extra_weight` in the cover."""
     from dcp_ext.simulator import lower_bound
 
     world = cm.cluster.num_gpus
@@ -360,6 +366,11 @@ def build_pool(
         types.append(fastest_holder)
     found: list[Counts] = []
     synth = np.append(batches[0], max_seq_len) if batches else np.array([max_seq_len])
+    extras = [np.asarray(b) for b in extra_batches if len(b)]
+    for b in extras:
+        preps.append(BatchPrep(cm, tables, b))
+        lbs.append(lower_bound(cm, b, layouts=list(tables)))
+    weights = np.array([1.0] * (len(preps) - len(extras)) + [extra_weight] * len(extras))
     jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables)))]
     for k, (prep, lb) in enumerate(jobs):
         counts, _ = dp_layout(prep, types, world, lb)
@@ -370,10 +381,12 @@ def build_pool(
             progress(k + 1, len(jobs))
     cover = found[-1] if len(jobs) > len(preps) else None
     times = np.array([[screen(p, c)[0] for p in preps] for c in found]) if preps else np.zeros((len(found), 0))
+    # relative to each batch's own lower bound, so long and short batches weigh alike
+    rel = times / np.maximum(np.asarray(lbs), 1e-12)[None, :] * weights[None, :] if preps else times
     chosen: list[int] = []
-    best = np.full(times.shape[1], np.inf)
+    best = np.full(rel.shape[1], np.inf)
     while len(chosen) < min(max_layouts, len(found)):
-        scores = [np.minimum(best, times[i]).sum() if i not in chosen else np.inf for i in range(len(found))]
+        scores = [np.minimum(best, rel[i]).sum() if i not in chosen else np.inf for i in range(len(found))]
         i = int(np.argmin(scores))
         if not np.isfinite(scores[i]) and chosen:
             break
@@ -381,7 +394,16 @@ def build_pool(
         if chosen and gain <= 1e-4 * best.sum():
             break
         chosen.append(i)
-        best = np.minimum(best, times[i])
+        best = np.minimum(best, rel[i])
+    # layouts that are the best for some batch (ties go to more, smaller replicas) join too
+    if len(found) and rel.shape[1]:
+        nrep = np.array([sum(c for _, c in f) for f in found])
+        for b in range(rel.shape[1]):
+            col = rel[:, b]
+            tied = np.nonzero(col <= col.min() * (1 + 1e-3))[0]
+            i = int(max(tied, key=lambda i: (nrep[i], -i)))
+            if i not in chosen and len(chosen) < max_layouts:
+                chosen.append(i)
     pool = [found[i] for i in chosen]
     if cover is not None and not any(any(tables[l].max_doc >= max_seq_len for l, _ in c) for c in pool):
         if len(pool) >= max_layouts:

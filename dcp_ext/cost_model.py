@@ -15,6 +15,8 @@ Shape of the model. For one pipeline stage and one micro-batch holding documents
     the output layer on the last stage, pipeline point-to-point;
   * a: causal, document-masked attention (sum of s^2, never pack length^2), 2.5x forward
     for the backward;
+  * c: per document work that does not shrink with tp or cp (a per-document attention
+    loop on the CPU; zero for GPUs by default);
   * c0: per micro-batch fixed cost: framework overhead, collective latencies and the GEMM
     efficiency lost on few rows (modelled as `half_efficiency_tokens` extra rows per GEMM:
     throughput x / (x + x_half), i.e. a constant per micro-batch);
@@ -238,8 +240,11 @@ class CostModel:
             + MATMUL_BWD_FACTOR * log_fixed
             + p2p_fixed
         )
+        doc = g.attention_doc_overhead_s
+        c_f = fwd_layers * doc
+        c_b = bwd_layers * MATMUL_BWD_FACTOR * doc + rs * doc
         return StageCoeffs(
-            a_f=a_f, b_f=b_f, c_f=0.0, c0_f=c0_f, a_b=a_b, b_b=b_b, c_b=0.0, c0_b=c0_b,
+            a_f=a_f, b_f=b_f, c_f=c_f, c0_f=c0_f, a_b=a_b, b_b=b_b, c_b=c_b, c0_b=c0_b,
             cp_att=att_s2, cp_comm=cp_comm, cp_layers=float(Ls), cp_recompute=float(rs),
         )
 

@@ -33,6 +33,10 @@ class GPUKind:
     micro_batch_overhead_s: float  # fixed cost of one micro-batch (launches, scheduling)
     reserved_bytes: float  # runtime context, communicator buffers, fragmentation
     default_gpus_per_node: int = 8
+    # per document, per layer, per forward pass, on every device of the replica (kernel
+    # or interpreter work that does not shrink with tp or cp: negligible with varlen
+    # flash attention, real for a per-document attention loop on the CPU)
+    attention_doc_overhead_s: float = 0.0
 
 
 # Published peak numbers; efficiencies are typical Megatron figures on these parts.
@@ -42,8 +46,8 @@ GPU_KINDS: dict[str, GPUKind] = {
     "a800": GPUKind("a800", 312e12, 80e9, 2.0e12, 160e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
     "a100": GPUKind("a100", 312e12, 80e9, 2.0e12, 240e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
     # One gloo rank on a shared CPU core: fp32 GEMMs at tens of GFLOP/s, loopback TCP
-    # collectives at ~1 GB/s with ~100 us per step. A profile file replaces these.
-    "cpu-gloo": GPUKind("cpu-gloo", 40e9, 4 * GiB, 10e9, 1.0e9, 1.0e9, 1e-4, 1e-4, 0.5, 0.3, 32, 5e-3, 0.5 * GiB, 8),
+    # collectives at ~1 GB/s with ~0.5 ms per step (Python and gloo overhead). A profile file replaces these.
+    "cpu-gloo": GPUKind("cpu-gloo", 40e9, 4 * GiB, 10e9, 1.0e9, 1.0e9, 5e-4, 5e-4, 0.5, 0.3, 32, 5e-3, 0.5 * GiB, 8, 2e-4),
 }
 
 

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcp_ext.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
+from dcp_ext.planners.common import parse_layout
 from dcp_ext.cost_model import Layout
 from dcp_ext.plan import IterationPlan
 from dcp_ext.planners.base import PlannerBase
@@ -40,6 +41,7 @@ from dcp_ext.planners.common import (
     pack_replica,
     pipeline_overhead,
     place,
+    extreme_batches,
     sample_batches,
     to_iteration_plan,
 )
@@ -68,6 +70,7 @@ class AdaptivePlanner(PlannerBase):
         switch_margin: float = 0.01,
         switch_cost_s: float = 0.0,
         max_moves: int | None = None,
+        layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
     ):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self.recompute = recompute
@@ -75,14 +78,27 @@ class AdaptivePlanner(PlannerBase):
         self.switch_margin = switch_margin
         self.switch_cost_s = switch_cost_s
         self.max_moves = max_moves
-        layouts = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
-        if not layouts:
+        allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
+        if not allowed:
             raise PlanningError(f"no layout of {model.name} fits {cluster.name}")
-        self.tables = {l: make_type_table(self.cm, l, recompute) for l in layouts}
+        self.tables = {l: make_type_table(self.cm, l, recompute) for l in allowed}
         self.tables = {l: t for l, t in self.tables.items() if t.caps_alone and t.max_doc > 0}
-        batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
-        cb = stderr_progress(f"{self.name}: candidate layouts") if progress else None
-        self.pool: Pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb)
+        if layouts is not None:
+            # a fixed pool (tests, demos): "2xtp2cp1pp1+..." strings or lists of (tp, cp, pp)
+            fixed = [parse_layout(x) for x in layouts]
+            for c in fixed:
+                used = sum(l.size * n for l, n in c)
+                if used != cluster.num_gpus:
+                    raise ValueError(f"layout {describe(c)} uses {used} devices, the world has {cluster.num_gpus}")
+                for l, _ in c:
+                    if l not in self.tables:
+                        raise ValueError(f"layout {describe(c)}: {l} is not valid for {model.name} on {cluster.name}")
+            self.pool = Pool(fixed, sorted({l for c in fixed for l, _ in c}), np.zeros((len(fixed), 0)), fixed)
+        else:
+            batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
+            extras = extreme_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, seed)
+            cb = stderr_progress(f"{self.name}: candidate layouts") if progress else None
+            self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb, extra_batches=extras)
         self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
         for c in self.pool.layouts:
@@ -126,7 +142,10 @@ class AdaptivePlanner(PlannerBase):
             t_est, c, order, bounds = est[i]
             reps = self._full_plan(prep, c, order, bounds)
             plans[i] = (max(r.time_s for r in reps), reps)
-        best = min(plans, key=lambda i: (plans[i][0], i))
+        # the fastest; within 0.2% of it, the one with more (smaller) replicas
+        t_min = min(p[0] for p in plans.values())
+        nrep = lambda i: sum(c for _, c in self.pool.layouts[i])  # noqa: E731
+        best = min((i for i in plans if plans[i][0] <= t_min * 1.002), key=lambda i: (-nrep(i), plans[i][0], i))
         if self._current is not None:
             cur_i = self.pool.layouts.index(self._current)
             if cur_i in plans and best != cur_i:

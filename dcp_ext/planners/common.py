@@ -153,6 +153,26 @@ def canonical(counts: dict[Layout, int]) -> tuple[tuple[Layout, int], ...]:
     return tuple(sorted(((Layout(*k), v) for k, v in counts.items() if v > 0), key=lambda kv: (-kv[0].size, -kv[0].tp, -kv[0].cp, -kv[0].pp)))
 
 
+def parse_layout(spec) -> tuple[tuple[Layout, int], ...]:
+    """"4xtp1cp1pp1", "1xtp2cp1pp1+2xtp1cp1pp1" or a list of (tp, cp, pp) replicas."""
+    import re
+
+    counts: dict[Layout, int] = {}
+    if isinstance(spec, str):
+        for part in spec.split("+"):
+            m = re.fullmatch(r"\s*(?:(\d+)\s*x\s*)?tp(\d+)cp(\d+)pp(\d+)\s*", part)
+            if not m:
+                raise ValueError(f"layout {spec!r}: expected parts like 2xtp2cp1pp1")
+            n = int(m.group(1) or 1)
+            lay = Layout(int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            counts[lay] = counts.get(lay, 0) + n
+    else:
+        for t in spec:
+            lay = Layout(*[int(v) for v in t])
+            counts[lay] = counts.get(lay, 0) + 1
+    return canonical(counts)
+
+
 def expand(counts: Iterable[tuple[Layout, int]]) -> list[Layout]:
     return [lay for lay, n in counts for _ in range(n)]
 
@@ -376,4 +396,22 @@ def sample_batches(length_sample: Sequence[int], global_batch_tokens: int, max_s
     if len(out) > count:
         pick = np.linspace(0, len(out) - 1, count).round().astype(int)
         out = [out[i] for i in pick]
+    return out
+
+
+def extreme_batches(length_sample: Sequence[int], global_batch_tokens: int, max_seq_len: int, seed: int) -> list[np.ndarray]:
+    """Batches of the histogram's short half only, its long tail only, and a typical batch
+    with its few longest documents: rarer batches the candidate pool should also serve."""
+    lens = np.minimum(np.asarray(length_sample, dtype=np.int64), max_seq_len)
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for lo_q, hi_q in ((0.0, 0.5), (0.9, 1.0)):
+        lo, hi = np.quantile(lens, lo_q), np.quantile(lens, hi_q)
+        pool = lens[(lens >= lo) & (lens <= hi)]
+        if len(pool) == 0:
+            continue
+        pick = pool[rng.integers(0, len(pool), size=4 * len(lens) + 16)]
+        cs = np.cumsum(pick)
+        k = max(1, int(np.searchsorted(cs, global_batch_tokens, side="right")))
+        out.append(pick[:k])
     return out
