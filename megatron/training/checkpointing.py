@@ -132,8 +132,13 @@ def _common_args(args) -> argparse.Namespace:
     return argparse.Namespace(**keep)
 
 
+def unwrap(model):
+    """The GPTModel inside DDP: checkpoint keys are Megatron's (`decoder.layers...`), no wrapper prefix."""
+    return getattr(model, "module", model)
+
+
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
-    model_sd = model.sharded_state_dict()
+    model_sd = unwrap(model).sharded_state_dict()
     state = {
         "args": _common_args(args),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -173,7 +178,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     path, _ = found
     common = dist_checkpointing.load_common_state_dict(path)
     same_layout = tuple(common.get("layout", ())) == _layout_signature(args)
-    model_sd = model.sharded_state_dict()
+    model_sd = unwrap(model).sharded_state_dict()
     request = {"model": model_sd}
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim:
@@ -182,7 +187,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     if load_rng:
         request["rng_state"] = _rng_sharded_object()
     state = dist_checkpointing.load(request, path)
-    model.load_state_dict(state["model"], strict=True)
+    unwrap(model).load_state_dict(state["model"], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
