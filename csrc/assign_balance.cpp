@@ -1,6 +1,7 @@
 // Stage 1 (balance): sequences onto heterogeneous replicas, minimising the largest
 // stage-1 estimate. Greedy by decreasing length (one heap per replica type), then a
-// local search of moves and swaps off the critical replica, then seeded restarts.
+// local search of moves, swaps and ejection chains off the critical replica, then
+// iterated local search (seeded random kicks from the best solution).
 // Mirrors dcp_ext/assign/ref_balance.py operation for operation (same results).
 #include "assign_kernels.hpp"
 
@@ -132,10 +133,12 @@ class Search {
       const double Mk = st_.est[c];
       if (!(Mk > 0.0)) return;
       const double thr = Mk - Mk * kRelTol;
-      Step best = best_move(c, thr);
-      if (!best.found) best = best_swap(c, thr);
-      if (!best.found) return;
-      apply(c, best);
+      Step best = best_move(c, thr, -1);
+      if (!best.found) best = best_swap(c, thr, -1);
+      if (best.found)
+        apply(c, best);
+      else if (!chain(c, thr))
+        return;
     }
   }
 
@@ -149,14 +152,55 @@ class Search {
     return st_.mem[r].size() > 1 ? seq_cost(P_[r], st_.mem[r][1].len) : 0.0;
   }
 
-  Step best_move(int c, double thr) {
+  // Depth-2 ejection: move a sequence off c to r (overloading r), then the best move or
+  // swap off r to a third replica; applied when both end below thr.
+  bool chain(int c, double thr) {
+    const Params& pc = P_[c];
+    auto& memc = st_.mem[c];
+    const int64_t nc = static_cast<int64_t>(memc.size());
+    for (int r = 0; r < static_cast<int>(P_.size()); ++r) {
+      if (r == c) continue;
+      const Params& pr = P_[r];
+      const int64_t lo = first_at_most(memc, caps_[r]);
+      for (int64_t p = lo; p < nc; ++p) {
+        const int64_t l = memc[p].len;
+        if (p > lo && l == memc[p - 1].len) continue;
+        if (evals_ >= budget_) return false;
+        const double a = est(pc, st_.W[c] - seq_cost(pc, l), st_.T[c] - l, max_after_removal(c, p), nc - 1);
+        if (!(a < thr)) break;
+        const double cr = seq_cost(pr, l);
+        const double m2 = cr > st_.mx[r] ? cr : st_.mx[r];
+        const double b = est(pr, st_.W[r] + cr, st_.T[r] + l, m2, static_cast<int64_t>(st_.mem[r].size()) + 1);
+        const double saved[6] = {st_.W[c], st_.mx[c], st_.est[c], st_.W[r], st_.mx[r], st_.est[r]};
+        const int64_t savedT[2] = {st_.T[c], st_.T[r]};
+        const Item item = memc[p];
+        apply(c, Step{true, false, r, p, -1, a, b});
+        if (b < thr) return true;
+        Step second = best_move(r, thr, c);
+        if (!second.found) second = best_swap(r, thr, c);
+        if (second.found) {
+          apply(r, second);
+          return true;
+        }
+        auto& memr = st_.mem[r];
+        memr.erase(std::lower_bound(memr.begin(), memr.end(), item, item_before));
+        memc.insert(memc.begin() + p, item);
+        st_.W[c] = saved[0], st_.mx[c] = saved[1], st_.est[c] = saved[2];
+        st_.W[r] = saved[3], st_.mx[r] = saved[4], st_.est[r] = saved[5];
+        st_.T[c] = savedT[0], st_.T[r] = savedT[1];
+      }
+    }
+    return false;
+  }
+
+  Step best_move(int c, double thr, int skip) {
     const Params& pc = P_[c];
     const auto& memc = st_.mem[c];
     const int64_t nc = static_cast<int64_t>(memc.size());
     double best_val = thr;
     Step best;
     for (int r = 0; r < static_cast<int>(P_.size()); ++r) {
-      if (r == c) continue;
+      if (r == c || r == skip) continue;
       const Params& pr = P_[r];
       const int64_t lo = first_at_most(memc, caps_[r]);
       if (lo >= nc) continue;
@@ -187,14 +231,14 @@ class Search {
     return best;
   }
 
-  Step best_swap(int c, double thr) {
+  Step best_swap(int c, double thr, int skip) {
     const Params& pc = P_[c];
     const auto& memc = st_.mem[c];
     const int64_t nc = static_cast<int64_t>(memc.size());
     double best_val = thr;
     Step best;
     for (int r = 0; r < static_cast<int>(P_.size()); ++r) {
-      if (r == c) continue;
+      if (r == c || r == skip) continue;
       const Params& pr = P_[r];
       const auto& memr = st_.mem[r];
       const int64_t nr = static_cast<int64_t>(memr.size());
@@ -279,30 +323,57 @@ class Search {
 
 double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
 
+constexpr int64_t kKickMin = 2, kKickSpread = 3;  // restart k kicks with kKickMin + k % kKickSpread moves
+
+// `moves` random moves (a random sequence to a random other replica that can hold it).
+void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& params, SplitMix64& rng,
+          int64_t moves) {
+  const int64_t R = static_cast<int64_t>(params.size());
+  std::vector<int64_t> where(n, 0);
+  for (int64_t r = 0; r < R; ++r)
+    for (const Item& it : st.mem[r]) where[it.idx] = r;
+  for (int64_t k = 0; k < moves; ++k) {
+    const int64_t i = static_cast<int64_t>(rng.next_below(static_cast<uint64_t>(n)));
+    const int64_t r = where[i];
+    int64_t t = static_cast<int64_t>(rng.next_below(static_cast<uint64_t>(R - 1)));
+    if (t >= r) ++t;
+    if (len[i] > params[t].cap()) continue;
+    const Item it{len[i], i};
+    auto& from = st.mem[r];
+    from.erase(std::lower_bound(from.begin(), from.end(), it, item_before));
+    insert_sorted(st.mem[t], it);
+    where[i] = t;
+  }
+  recompute(st, params);
+}
+
 }  // namespace
 
 BalanceOut balance(const int64_t* len, int64_t n, const std::vector<Params>& params, uint64_t seed, int64_t restarts,
                    bool local_search, int64_t budget) {
   const std::vector<Type> types = replica_types(params);
+  State best = greedy(len, params, types, sorted_order(len, n), true);
+  recompute(best, params);
+  const double greedy_ms = max_of(best.est);
+  if (local_search) {
+    Search(best, params, budget).run();
+    recompute(best, params);
+  }
+  double best_ms = max_of(best.est);
   SplitMix64 rng(seed);
-  const std::vector<int64_t> order0 = sorted_order(len, n);
-  State best(params.size());
-  double best_ms = kInf, greedy_ms = 0.0;
-  bool have = false;
-  for (int64_t attempt = 0; attempt <= restarts; ++attempt) {
-    State st = attempt == 0 ? greedy(len, params, types, order0, true)
-                            : greedy(len, params, types, perturbed_order(len, n, rng), false);
-    recompute(st, params);
-    if (attempt == 0) greedy_ms = max_of(st.est);
-    if (local_search) {
-      Search(st, params, budget).run();
-      recompute(st, params);
-    }
-    const double ms = max_of(st.est);
-    if (!have || ms < best_ms) {
-      best = std::move(st);
-      best_ms = ms;
-      have = true;
+  if (params.size() > 1 && n > 0) {
+    for (int64_t k = 0; k < restarts; ++k) {
+      State cur = best;
+      kick(cur, len, n, params, rng, kKickMin + k % kKickSpread);
+      if (local_search) {
+        Search(cur, params, budget).run();
+        recompute(cur, params);
+      }
+      const double ms = max_of(cur.est);
+      if (ms <= best_ms) {
+        best = std::move(cur);
+        best_ms = ms;
+      }
     }
   }
   BalanceOut out;

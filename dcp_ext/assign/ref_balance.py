@@ -12,10 +12,15 @@ that the largest stage-1 estimate (model.estimate) is smallest.
            accepted when max(new est of c, new est of the other) < est of c by a relative
            1e-12. Both sides of that max are monotone in the moved length, so each
            (target replica[, swapped-in length]) is a binary search over c's sequences
-           sorted by (length desc, index asc). Every estimate evaluated counts against
-           `budget`, which bounds the work deterministically.
-  restarts attempt k >= 1 orders sequences by length * (1 + 0.3 u), u ~ SplitMix64(seed);
-           the best attempt (strictly smaller makespan, ties: earlier) wins.
+           sorted by (length desc, index asc). When neither exists, an ejection chain:
+           the first move c -> r (r ascending, lengths descending) that lowers c below
+           the threshold and after which the best move or swap off r to a third replica
+           brings r below it too. Every estimate evaluated counts against `budget`, which
+           bounds the work deterministically.
+  restarts iterated local search: restart k copies the best solution so far, makes
+           2 + k % 3 random moves (SplitMix64(seed): a sequence index, then another
+           replica; skipped if it cannot hold the sequence), runs the local search and
+           replaces the best when its makespan is not larger (plateaus are walked).
 Costs are recomputed from scratch for the final estimates, so float drift of the
 incremental sums never reaches the result.
 """
@@ -30,6 +35,7 @@ from .rng import SplitMix64
 
 PERTURB = 0.3
 REL_TOL = 1e-12
+KICK_MIN, KICK_SPREAD = 2, 3  # restart k kicks with KICK_MIN + k % KICK_SPREAD random moves
 
 
 def replica_types(params: list[tuple]) -> list[tuple[tuple, list[int]]]:
@@ -150,20 +156,60 @@ class _Search:
             if not Mk > 0.0:
                 return
             thr = Mk - Mk * REL_TOL
-            best = self.best_move(c, thr)
+            best = self.best_move(c, thr, -1)
             if best is None:
-                best = self.best_swap(c, thr)
-            if best is None:
+                best = self.best_swap(c, thr, -1)
+            if best is not None:
+                self.apply(c, best)
+            elif not self.chain(c, thr):
                 return
-            self.apply(c, best)
 
-    def best_move(self, c: int, thr: float):
+    def chain(self, c: int, thr: float) -> bool:
+        """Depth-2 ejection: move a sequence off c to r (overloading r), then the best
+        move or swap off r to a third replica; applied when both end below thr."""
+        st = self.st
+        pc, memc = st.params[c], st.mem[c]
+        nc = len(memc)
+        for r in range(len(st.params)):
+            if r == c:
+                continue
+            pr = st.params[r]
+            lo = first_at_most(memc, self.caps[r])
+            for p in range(lo, nc):
+                l = -memc[p][0]
+                if p > lo and l == -memc[p - 1][0]:
+                    continue
+                if self.evals >= self.budget:
+                    return False
+                a = self.est(pc, st.W[c] - seq_cost(pc, l), st.T[c] - l, self.max_after_removal(c, p), nc - 1)
+                if not a < thr:
+                    break
+                cr = seq_cost(pr, l)
+                m2 = cr if cr > st.mx[r] else st.mx[r]
+                b = self.est(pr, st.W[r] + cr, st.T[r] + l, m2, len(st.mem[r]) + 1)
+                saved = (st.W[c], st.T[c], st.mx[c], st.est[c], st.W[r], st.T[r], st.mx[r], st.est[r])
+                item = memc[p]
+                self.apply(c, ("move", r, p, -1, a, b))
+                if b < thr:
+                    return True
+                second = self.best_move(r, thr, c)
+                if second is None:
+                    second = self.best_swap(r, thr, c)
+                if second is not None:
+                    self.apply(r, second)
+                    return True
+                del st.mem[r][bisect_left(st.mem[r], item)]
+                memc.insert(p, item)
+                (st.W[c], st.T[c], st.mx[c], st.est[c], st.W[r], st.T[r], st.mx[r], st.est[r]) = saved
+        return False
+
+    def best_move(self, c: int, thr: float, skip: int):
         st = self.st
         pc, memc = st.params[c], st.mem[c]
         nc = len(memc)
         best_val, best = thr, None
         for r in range(len(st.params)):
-            if r == c:
+            if r == c or r == skip:
                 continue
             pr = st.params[r]
             lo = first_at_most(memc, self.caps[r])
@@ -190,13 +236,13 @@ class _Search:
                         best_val, best = val, ("move", r, p, -1, a, b)
         return best
 
-    def best_swap(self, c: int, thr: float):
+    def best_swap(self, c: int, thr: float, skip: int):
         st = self.st
         pc, memc = st.params[c], st.mem[c]
         nc = len(memc)
         best_val, best = thr, None
         for r in range(len(st.params)):
-            if r == c:
+            if r == c or r == skip:
                 continue
             pr, memr = st.params[r], st.mem[r]
             nr = len(memr)
@@ -266,29 +312,59 @@ class _Search:
         st.est[c], st.est[r] = a, b
 
 
-def balance(lengths: list[int], params: list[tuple], seed: int, restarts: int,
-            local_search: bool, budget: int):
-    """-> (assignment list, estimates list, makespan, greedy makespan of attempt 0)."""
-    n = len(lengths)
-    types = replica_types(params)
-    rng = SplitMix64(seed)
-    best = None
-    greedy_ms = 0.0
-    for attempt in range(restarts + 1):
-        order = sorted_order(lengths) if attempt == 0 else perturbed_order(lengths, rng)
-        st = greedy(lengths, params, types, order)
-        recompute(st)
-        if attempt == 0:
-            greedy_ms = max(st.est)
-        if local_search:
-            _Search(st, budget).run()
-            recompute(st)
-        ms = max(st.est)
-        if best is None or ms < best[0]:
-            best = (ms, st)
-    ms, st = best
-    assignment = [0] * n
+def clone(st: State) -> State:
+    out = State(st.params)
+    out.W, out.T, out.mx, out.est = list(st.W), list(st.T), list(st.mx), list(st.est)
+    out.mem = [list(m) for m in st.mem]
+    return out
+
+
+def kick(st: State, lengths: list[int], rng: SplitMix64, moves: int) -> None:
+    """`moves` random moves (a random sequence to a random other replica that can hold it)."""
+    R, n = len(st.params), len(lengths)
+    where = [0] * n
     for r, mem in enumerate(st.mem):
         for _, i in mem:
+            where[i] = r
+    for _ in range(moves):
+        i = rng.next_below(n)
+        r = where[i]
+        t = rng.next_below(R - 1)
+        if t >= r:
+            t += 1
+        if lengths[i] > min(st.params[t][5], st.params[t][6]):
+            continue
+        del st.mem[r][bisect_left(st.mem[r], (-lengths[i], i))]
+        insort(st.mem[t], (-lengths[i], i))
+        where[i] = t
+    recompute(st)
+
+
+def balance(lengths: list[int], params: list[tuple], seed: int, restarts: int,
+            local_search: bool, budget: int):
+    """-> (assignment list, estimates list, makespan, greedy makespan)."""
+    n = len(lengths)
+    types = replica_types(params)
+    st = greedy(lengths, params, types, sorted_order(lengths))
+    recompute(st)
+    greedy_ms = max(st.est)
+    if local_search:
+        _Search(st, budget).run()
+        recompute(st)
+    best, best_ms = st, max(st.est)
+    rng = SplitMix64(seed)
+    if len(params) > 1 and n > 0:
+        for k in range(restarts):
+            cur = clone(best)
+            kick(cur, lengths, rng, KICK_MIN + k % KICK_SPREAD)
+            if local_search:
+                _Search(cur, budget).run()
+                recompute(cur)
+            ms = max(cur.est)
+            if ms <= best_ms:
+                best, best_ms = cur, ms
+    assignment = [0] * n
+    for r, mem in enumerate(best.mem):
+        for _, i in mem:
             assignment[i] = r
-    return assignment, list(st.est), ms, greedy_ms
+    return assignment, list(best.est), best_ms, greedy_ms

@@ -24,19 +24,21 @@ def check_lengths(lengths, *, allow_empty: bool = True) -> np.ndarray:
             raise ValueError("lengths is empty")
         return np.zeros(0, dtype=np.int64)
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        bad = next((i for i, x in enumerate(arr.tolist()) if isinstance(x, bool) or not isinstance(x, (int, float))), 0)
-        raise ValueError(f"sequence {bad} has length {arr.tolist()[bad]!r}, expected a positive integer")
+        items = list(lengths)
+        bad = next((i for i, x in enumerate(items)
+                    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating))), 0)
+        raise ValueError(f"sequence {bad} has length {items[bad]!r}, expected a positive integer")
     if np.issubdtype(arr.dtype, np.floating):
         bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(f"sequence {i} has length {arr[i]!r}, expected a positive integer")
+            raise ValueError(f"sequence {i} has length {arr[i].item()!r}, expected a positive integer")
         if np.any(np.abs(arr) >= 2.0**62):
             i = int(np.flatnonzero(np.abs(arr) >= 2.0**62)[0])
-            raise ValueError(f"sequence {i} has length {arr[i]!r}, too large")
+            raise ValueError(f"sequence {i} has length {arr[i].item()!r}, too large")
     elif arr.dtype == np.uint64 and np.any(arr >= 2**62):
         i = int(np.flatnonzero(arr >= 2**62)[0])
-        raise ValueError(f"sequence {i} has length {arr[i]!r}, too large")
+        raise ValueError(f"sequence {i} has length {arr[i].item()!r}, too large")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero(arr <= 0)
     if bad.size:
