@@ -241,8 +241,36 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     return BoundTables(gs, alone, sync, layouts)
 
 
-def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None, tables: BoundTables | None = None) -> float:
-    """A time no plan of this batch can beat on this cluster (see the module docstring)."""
+def _bisect(feasible, lo: float, hi: float | None = None, rel: float = 1e-7) -> float:
+    """Smallest T in [lo, inf) with feasible(T) (monotone), to relative precision `rel`."""
+    if feasible(lo):
+        return lo
+    hi = max(lo, 1e-9) * 2 if hi is None else hi
+    while not feasible(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e9:  # pragma: no cover
+            raise RuntimeError("lower bound diverged")
+    for _ in range(80):
+        if hi - lo <= rel * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
+                tables: BoundTables | None = None, refine: bool = True) -> float:
+    """A time no plan of this batch can beat on this cluster (see the module docstring).
+
+    refine: also use that the longest document sits on one replica of some layout L;
+    that replica's devices run every other document they take at L's cost, not at each
+    document's best one. The bound is then the least, over the layouts L able to run the
+    longest document in time, of the relaxation with that one replica fixed (its spare
+    time filled fractionally with the documents that save the most devices elsewhere).
+    """
     if len(lengths) == 0:
         return 0.0
     tb = tables or bound_tables(cm, lengths, layouts)
@@ -253,26 +281,58 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
         raise ValueError(f"a sequence of {bad} tokens fits no layout of {cm.cluster.name}")
     lo = float(best_alone.max())
 
-    def devices_needed(T: float) -> float:
+    def need_at(T: float) -> np.ndarray:
         room = T - tb.sync
         ok = (tb.alone <= T) & (room > 0)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.where(ok, tb.gpu_seconds / np.where(room > 0, room, 1.0), np.inf)
-        return float(need.min(axis=1).sum())
+        return need.min(axis=1)
 
-    if devices_needed(lo) <= n_dev:
-        return lo
-    hi = max(lo, 1e-9) * 2
-    while devices_needed(hi) > n_dev:
-        hi *= 2
-        if hi > 1e9:  # pragma: no cover
-            raise RuntimeError("lower bound diverged")
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if devices_needed(mid) > n_dev:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-7 * hi:
-            break
-    return hi
+    t0 = _bisect(lambda T: float(need_at(T).sum()) <= n_dev, lo)
+    n = len(lengths)
+    if not refine or n < 2:
+        return t0
+    k = int(np.argmax(np.asarray(lengths)))
+    others = np.arange(n) != k
+    sizes = np.array([l.size for l in tb.layouts], dtype=float)
+
+    def feasible_special(j: int, T: float) -> bool:
+        if tb.alone[k, j] > T or sizes[j] > n_dev:
+            return False
+        stage = tb.gpu_seconds[:, j] / sizes[j]  # replica seconds each document costs on j
+        cap = T - tb.sync[j] - stage[k]
+        if cap < 0:
+            return False
+        need = need_at(T)[others]
+        st = stage[others]
+        elig = (tb.alone[others, j] <= T) & np.isfinite(st)
+        forced = ~np.isfinite(need)
+        if np.any(forced & ~elig):
+            return False
+        cap -= float(st[forced].sum())
+        if cap < 0:
+            return False
+        rest = float(need[~forced].sum())
+        cand = elig & ~forced & (st > 0)
+        if cap > 0 and cand.any():
+            ratio = need[cand] / st[cand]
+            order = np.argsort(-ratio)
+            c_sorted = st[cand][order]
+            n_sorted = need[cand][order]
+            cs = np.cumsum(c_sorted)
+            full = int(np.searchsorted(cs, cap, side="right"))
+            saved = float(n_sorted[:full].sum())
+            if full < len(c_sorted):
+                used = float(cs[full - 1]) if full > 0 else 0.0
+                saved += n_sorted[full] * (cap - used) / c_sorted[full]
+            rest -= saved
+        return rest <= n_dev - sizes[j] + 1e-9
+
+    order = sorted((j for j in range(len(tb.layouts)) if np.isfinite(tb.alone[k, j])), key=lambda j: tb.alone[k, j])
+    best = math.inf
+    for j in order:
+        if math.isfinite(best) and not feasible_special(j, best):
+            continue  # this layout cannot beat the best found so far
+        t = _bisect(lambda T: feasible_special(j, T), max(t0, float(tb.alone[k, j])), None if not math.isfinite(best) else best)
+        best = min(best, t)
+    return max(t0, best) if math.isfinite(best) else t0

@@ -250,9 +250,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         "gpt-1.3b", 24, 2048, 16, 16, 8192, 50304, 2048, swiglu=False,
         untie_embeddings_and_output_weights=False, hidden_dropout=True,
     ),
-    # The CPU demo (examples/): fp32 on gloo ranks, byte-level vocabulary.
+    # The CPU demo (examples/cpu_demo.yaml): fp32 on gloo ranks, byte-level vocabulary
+    # (megatron-core's ByteLevelTokenizer, 512), tied embeddings.
     "demo": ModelSpec(
-        "demo", 4, 256, 8, 4, 704, 260, 2048, swiglu=True, untie_embeddings_and_output_weights=True,
+        "demo", 4, 128, 8, 4, 352, 512, 2048, swiglu=True, untie_embeddings_and_output_weights=False,
         param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8, activation_bytes=4,
     ),
 }

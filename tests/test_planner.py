@@ -65,7 +65,8 @@ def test_llama7b_h200x64_real_batches(name):
     model, cluster = ModelSpec.from_preset("llama2-7b"), ClusterSpec.from_preset("h200x64")
     lengths = _lengths(CODE, 131072)
     batches = global_batches(lengths.tolist(), 4 * 2**20, 131072, count=2)
-    p = make_planner(name, model, cluster, max_seq_len=131072, global_batch_tokens=4 * 2**20, length_sample=lengths)
+    p = make_planner(name, model, cluster, max_seq_len=131072, global_batch_tokens=4 * 2**20, length_sample=lengths,
+                     sample_count=4)
     _check(p, model, cluster, batches, lengths)
     if name == "hydraulis":
         assert all(t[1] == 1 for t in p.replica_types())

@@ -226,21 +226,24 @@ class AdaptivePlanner(PlannerBase):
         self._debug_est = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
         # stage 2: pack, choose recompute, price exactly
         out = []
-        s = prep.s
+        sl = prep.__dict__.get("_s_list")
+        if sl is None:
+            sl = prep.__dict__["_s_list"] = prep.s.tolist()
+            prep.__dict__["_order_list"] = prep.order.tolist()
+        order_l = prep.__dict__["_order_list"]
         for k, (lay, ranks) in enumerate(placement):
-            orig = [int(prep.order[p]) for p in docs[k]]
-            cost_orig = self._cost_by_position(prep, lay)
-            mbs = pack_replica(self.cm, self.pool_tables[lay], s, orig, stage_cost=cost_orig)
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, s, mbs, R))
+            orig = [order_l[p] for p in docs[k]]
+            mbs = pack_replica(self.cm, self.pool_tables[lay], sl, orig, stage_cost=self._cost_by_position(prep, lay))
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
         return out
 
     def _cost_by_position(self, prep: BatchPrep, lay: Layout) -> np.ndarray:
         cache = prep.__dict__.setdefault("_cost_orig", {})
         got = cache.get(lay)
         if got is None:
-            got = np.empty(prep.n)
-            got[prep.order] = prep.types[lay].cost
-            cache[lay] = got
+            arr = np.empty(prep.n)
+            arr[prep.order] = prep.types[lay].cost
+            got = cache[lay] = arr.tolist()
         return got
 
     @staticmethod

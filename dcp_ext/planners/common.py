@@ -39,8 +39,15 @@ class TypeTable:
     caps_window: list[float] = field(default_factory=list)  # per allowed_rs, pp equal ones in flight
 
     @property
+    def plan_caps(self) -> list[float]:
+        """Caps a planner packs against: alone for pp == 1; for pipelines, such that pp
+        micro-batches of that size fit in flight, so any 1F1B window of them fits."""
+        return self.caps_window if self.pp > 1 else self.caps_alone
+
+    @property
     def max_doc(self) -> float:
-        return self.caps_alone[-1] if self.caps_alone else 0.0
+        caps = self.plan_caps
+        return caps[-1] if caps else 0.0
 
     def rs_for(self, tokens: float) -> int | None:
         """Fewest recomputed layers per stage that hold `tokens` alone."""
@@ -48,13 +55,9 @@ class TypeTable:
         return self.allowed_rs[i] if i < len(self.allowed_rs) else None
 
     def rs_planned(self, tokens: float) -> int | None:
-        """Recompute a planner gives a micro-batch of `tokens`: enough that pp such
-        micro-batches fit in flight (pipelines), else the least that holds it alone."""
-        if self.pp > 1 and self.caps_window:
-            i = bisect.bisect_left(self.caps_window, tokens)
-            if i < len(self.allowed_rs):
-                return self.allowed_rs[i]
-        return self.rs_for(tokens)
+        """Recompute a planner gives a micro-batch of `tokens` (see plan_caps)."""
+        i = bisect.bisect_left(self.plan_caps, tokens)
+        return self.allowed_rs[i] if i < len(self.allowed_rs) else None
 
 
 def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> TypeTable:
@@ -89,11 +92,7 @@ def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
     cost = np.full(n, np.inf)
     alone = np.full(n, np.inf)
     rs_arr = np.full(n, -1, dtype=np.int64)
-    idx = np.searchsorted(np.asarray(tt.caps_alone), s, side="left")
-    if tt.pp > 1 and tt.caps_window:
-        # pipelines: the recompute that lets pp such micro-batches be in flight, if any
-        iw = np.searchsorted(np.asarray(tt.caps_window), s, side="left")
-        idx = np.where(iw < len(tt.allowed_rs), iw, idx)
+    idx = np.searchsorted(np.asarray(tt.plan_caps), s, side="left")
     sf = s.astype(float)
     for k in np.unique(idx):
         if k >= len(tt.allowed_rs):
@@ -305,7 +304,10 @@ def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list
     lay = tt.layout
     free = cm.capacity_bytes - cm.state_bytes(lay)
     levels = tt.allowed_rs
-    per = np.array([cm.act_bytes_per_token(lay, rs) for rs in levels])  # [level, (keep, trans, logits)]
+    per = tt.__dict__.get("_act_table")
+    if per is None:
+        per = np.array([cm.act_bytes_per_token(lay, rs) for rs in levels])  # [level, (keep, trans, logits)]
+        tt.__dict__["_act_table"] = per
     pos_of = {rs: i for i, rs in enumerate(levels)}
     tokens = np.array([float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs])
     lvl = np.array([pos_of.get(rs, 0) for _, rs in mbs])
@@ -343,12 +345,41 @@ def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list
 
 
 def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray, mbs, num_replicas: int) -> PackedReplica:
-    mbs, _, _ = order_for_pipeline(cm, tt.layout, s, mbs)
-    mbs, peak = fit_memory(cm, tt, s, mbs)
-    mbs, fwd, bwd = order_for_pipeline(cm, tt.layout, s, mbs, keep_order=True)
-    pipe = one_f_one_b(fwd, bwd, tt.pp).makespan
-    sync = cm.sync_time(tt.layout, num_replicas)
-    return PackedReplica(tt.layout, ranks, mbs, pipe + sync, pipe, sync, peak)
+    """Order, fit in memory (raising recompute where a 1F1B window overflows), and price
+    one replica's micro-batches exactly (1F1B simulation + sync)."""
+    lay = tt.layout
+    sl = s.tolist() if isinstance(s, np.ndarray) else list(s)
+    stats = []
+    for docs, rs in mbs:
+        if len(docs) == 1:
+            x = sl[docs[0]]
+            stats.append((float(x * x), float(x), 1))
+        else:
+            v = [sl[d] for d in docs]
+            stats.append((float(sum(x * x for x in v)), float(sum(v)), len(v)))
+    if tt.pp == 1:
+        # packing kept every micro-batch within the cap of its recompute level
+        ok = all(t <= tt.caps_alone[tt.allowed_rs.index(rs)] * (1 + 1e-12) if rs in tt.allowed_rs else False
+                 for (_, rs), (_, t, _) in zip(mbs, stats))
+        if not ok:
+            mbs, _ = fit_memory(cm, tt, np.asarray(s), mbs)
+        pipe = 0.0
+        for (docs, rs), (s2, t, n) in zip(mbs, stats):
+            pipe += cm.coeffs(lay, rs).mb_time(s2, t, n)
+        peak = 0.0
+    else:
+        order = sorted(range(len(mbs)), key=lambda i: -cm.coeffs(lay, mbs[i][1]).mb_time(*stats[i]))
+        mbs = [mbs[i] for i in order]
+        stats = [stats[i] for i in order]
+        mbs, peak = fit_memory(cm, tt, np.asarray(s), mbs)
+        fwd, bwd = [], []
+        for (docs, rs), st in zip(mbs, stats):
+            f, b = cm.coeffs(lay, rs).mb_fwd_bwd(*st)
+            fwd.append(f)
+            bwd.append(b)
+        pipe = one_f_one_b(fwd, bwd, tt.pp).makespan
+    sync = cm.sync_time(lay, num_replicas)
+    return PackedReplica(lay, ranks, mbs, pipe + sync, pipe, sync, peak)
 
 
 def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[PackedReplica], cm: CostModel) -> IterationPlan:

@@ -20,8 +20,8 @@ rule; each bucket gets devices in proportion to its predicted work (by the cost 
 split into groups of its cp; longest-processing-time balancing with the cost model inside
 a bucket; every group accumulates over as many micro-batches as its share needs.
 
-Both choose their fixed settings (tp, pp, recompute none/full) by the same cost-model
-search on histogram batches as `static`.
+Both choose their fixed settings (tp, pp, recompute none/full, max_seq_len_per_rank) by
+the same cost-model search on histogram batches as `static`.
 """
 from __future__ import annotations
 
@@ -50,30 +50,38 @@ class _CPPoolPlanner(PlannerBase):
     allow_pp = True
 
     def __init__(self, model, cluster, max_seq_len, global_batch_tokens, length_sample=None, profile=None,
-                 memory_margin=0.1, seed=0, progress=False, *, sample_count: int = 12,
-                 setting: tuple[int, int, int] | None = None):
+                 memory_margin=0.1, seed=0, progress=False, *, sample_count: int = 8,
+                 setting: tuple[int, ...] | None = None):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self._tables: dict[Layout, object] = {}
+        if setting is not None and len(setting) == 3:
+            setting = (*setting, int(self._per_rank(*setting)))
         cands = self._settings() if setting is None else [tuple(setting)]
         if not cands:
             raise PlanningError(f"{self.name}: no (tp, pp, recompute) of {model.name} on {cluster.name} can hold {max_seq_len} tokens")
-        self.search: list[tuple[float, tuple[int, int, int]]] = []
+        self.search: list[tuple[float, tuple[int, int, int, int]]] = []
         if len(cands) == 1:
-            self.tp, self.pp, self.rs = cands[0]
+            self.tp, self.pp, self.rs, self.per_rank = cands[0]
         else:
             batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
-            for st in cands:
-                self.tp, self.pp, self.rs = st
+
+            def score(st, bs):
+                self.tp, self.pp, self.rs, self.per_rank = st
                 try:
-                    t = float(np.mean([self._plan(np.asarray(b))[0] for b in batches]))
+                    return float(np.mean([self._plan(np.asarray(b))[0] for b in bs]))
                 except PlanningError:
-                    continue
-                self.search.append((t, st))
+                    return math.inf
+
+            # a quick pass on a few batches, then the best few on all of them
+            quick = sorted((score(st, batches[:2]), st) for st in cands)
+            for _, st in quick[:6]:
+                t = score(st, batches)
+                if math.isfinite(t):
+                    self.search.append((t, st))
             if not self.search:
                 raise PlanningError(f"{self.name}: no setting can run the sample batches")
             self.search.sort()
-            self.tp, self.pp, self.rs = self.search[0][1]
-        self.per_rank = self._per_rank(self.tp, self.pp, self.rs)
+            self.tp, self.pp, self.rs, self.per_rank = self.search[0][1]
         D = self.pool_size
         unit = self.tp * self.pp
         c = 1
@@ -88,13 +96,17 @@ class _CPPoolPlanner(PlannerBase):
 
     def describe(self) -> str:
         return (f"{self.name}: tp{self.tp} pp{self.pp}, recompute {self.rs * self.pp} layers, "
-                f"{int(self.per_rank)} tokens per rank")
+                f"max {int(self.per_rank)} tokens per rank")
 
     # ------------------------------------------------------------------ settings
     def _per_rank(self, tp: int, pp: int, rs: int) -> float:
+        """Tokens one rank of the pool holds (pp micro-batches in flight)."""
         return self.cm.max_tokens(Layout(tp, 1, pp), rs, pp)
 
-    def _settings(self) -> list[tuple[int, int, int]]:
+    def _settings(self) -> list[tuple[int, int, int, int]]:
+        """(tp, pp, recompute per stage, max tokens per rank): recompute none or full (a
+        run-wide flag upstream), and max_seq_len_per_rank from what memory allows down to
+        1/32 of it (a smaller value gives long sequences more CP ranks)."""
         out = []
         n = self.cluster.num_gpus
         for lay in self.cm.all_layouts():
@@ -102,12 +114,16 @@ class _CPPoolPlanner(PlannerBase):
                 continue
             Ls = self.cm.layers_per_stage(lay)
             for rs in sorted({0, Ls}):
-                per = self._per_rank(lay.tp, lay.pp, rs)
-                if per < 1:
+                mem = self._per_rank(lay.tp, lay.pp, rs)
+                if mem < 1:
                     continue
-                need = next_pow2(math.ceil(self.max_seq_len / per))
-                if need * lay.size <= n:
-                    out.append((lay.tp, lay.pp, rs))
+                for k in range(6):
+                    per = int(mem / 2**k)
+                    if per < 1024 and k > 0:
+                        break
+                    need = next_pow2(math.ceil(self.max_seq_len / per))
+                    if need * lay.size <= n:
+                        out.append((lay.tp, lay.pp, rs, per))
         return out
 
     def table(self, lay: Layout):
@@ -118,7 +134,7 @@ class _CPPoolPlanner(PlannerBase):
         return t
 
     def cp_needed(self, s: float) -> int:
-        return next_pow2(math.ceil(s / self.per_rank_now))
+        return next_pow2(math.ceil(s / self.per_rank))
 
     # ------------------------------------------------------------------ per iteration
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
@@ -127,7 +143,6 @@ class _CPPoolPlanner(PlannerBase):
         return to_iteration_plan(index, sample_ids, reps, self.cm)
 
     def _plan(self, s: np.ndarray):
-        self.per_rank_now = self._per_rank(self.tp, self.pp, self.rs)
         groups = self._groups(s)  # list of (cp, [doc positions])
         groups.sort(key=lambda g: -g[0])
         unit = self.tp * self.pp
@@ -137,7 +152,7 @@ class _CPPoolPlanner(PlannerBase):
         for cp, docs in groups:
             lay = Layout(self.tp, cp, self.pp)
             tt = self.table(lay)
-            cap = cp * self.per_rank_now
+            cap = cp * self.per_rank
             mbs = [(b, self.rs) for b in first_fit_decreasing(docs, s, cap)] if docs else []
             ranks = list(range(start, start + cp * unit))
             start += cp * unit
