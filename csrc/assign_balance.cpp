@@ -1,5 +1,6 @@
 // Stage 1 (balance): sequences onto heterogeneous replicas, minimising the largest
-// stage-1 estimate. Greedy by decreasing length (one heap per replica type), then a
+// stage-1 estimate. Greedy by decreasing length (one heap per replica type; several
+// starts that keep long sequences off pipeline replicas), each followed by a
 // local search of moves, swaps and ejection chains off the critical replica, then
 // iterated local search (seeded random kicks from the best solution).
 // Mirrors dcp_ext/assign/ref_balance.py operation for operation (same results).
@@ -57,27 +58,36 @@ struct Heap {
   }
 };
 
-State greedy(const int64_t* len, const std::vector<Params>& params, const std::vector<Type>& types,
-             const std::vector<int64_t>& order, bool already_sorted) {
+// Items arrive sorted by (length desc, index asc), so members come out sorted too. The
+// choices are recorded first and the member lists filled at their exact sizes afterwards.
+// theta > 0: pipeline replicas (pp > 1) refuse sequences longer than theta unless no
+// replica with pp == 1 can hold them.
+State greedy(const std::vector<Params>& params, const std::vector<Type>& types, const std::vector<Item>& order,
+             int64_t theta) {
   State st(params.size());
   std::vector<Heap> heaps(types.size());
   std::vector<int64_t> caps(types.size());
+  int64_t flat_cap = 0;
   for (size_t t = 0; t < types.size(); ++t) {
     for (int r : types[t].reps) heaps[t].h.emplace_back(0.0, r);
     caps[t] = types[t].p.cap();
+    if (types[t].p.pp == 1) flat_cap = std::max(flat_cap, caps[t]);
   }
-  for (int64_t i : order) {
-    const int64_t s = len[i];
+  std::vector<int64_t> count(params.size(), 0);
+  std::vector<int32_t> choice(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int64_t s = order[k].len;
     double best_val = kInf, best_c = 0.0, best_m = 0.0;
     int best_r = -1;
     size_t best_t = 0;
     for (size_t t = 0; t < types.size(); ++t) {
       if (s > caps[t]) continue;
+      if (theta > 0 && types[t].p.pp > 1 && s > theta && s <= flat_cap) continue;
       const int r = heaps[t].h[0].second;
       const Params& p = types[t].p;
       const double c = seq_cost(p, s);
       const double m2 = c > st.mx[r] ? c : st.mx[r];
-      const double val = estimate(p, st.W[r] + c, st.T[r] + s, m2, static_cast<int64_t>(st.mem[r].size()) + 1);
+      const double val = estimate(p, st.W[r] + c, st.T[r] + s, m2, count[r] + 1);
       if (val < best_val || (val == best_val && r < best_r)) {
         best_val = val, best_r = r, best_t = t, best_c = c, best_m = m2;
       }
@@ -87,11 +97,12 @@ State greedy(const int64_t* len, const std::vector<Params>& params, const std::v
     st.T[r] += s;
     st.mx[r] = best_m;
     st.est[r] = best_val;
-    st.mem[r].push_back(Item{s, i});
+    ++count[r];
+    choice[k] = r;
     heaps[best_t].replace_top({best_val, r});
   }
-  if (!already_sorted)
-    for (auto& m : st.mem) std::sort(m.begin(), m.end(), item_before);
+  for (size_t r = 0; r < params.size(); ++r) st.mem[r].reserve(count[r]);
+  for (size_t k = 0; k < order.size(); ++k) st.mem[choice[k]].push_back(order[k]);
   return st;
 }
 
@@ -324,6 +335,24 @@ class Search {
 double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
 
 constexpr int64_t kKickMin = 2, kKickSpread = 3;  // restart k kicks with kKickMin + k % kKickSpread moves
+// Greedy start k caps the sequences pipeline replicas take at this length quantile (1.0: no cap).
+constexpr double kStartQuantiles[] = {1.0, 0.95, 0.85, 0.75, 0.65, 0.5, 0.35};
+
+std::vector<int64_t> start_thresholds(const std::vector<Item>& order, const std::vector<Params>& params,
+                                      int64_t starts) {
+  std::vector<int64_t> out{0};
+  bool pipe = false, flat = false;
+  for (const auto& p : params) (p.pp > 1 ? pipe : flat) = true;
+  const int64_t n = static_cast<int64_t>(order.size());
+  if (n == 0 || !pipe || !flat) return out;
+  const int64_t nq = static_cast<int64_t>(sizeof(kStartQuantiles) / sizeof(double));
+  for (int64_t k = 1; k < std::min(starts, nq); ++k) {
+    const int64_t pos = std::min(n - 1, static_cast<int64_t>(kStartQuantiles[k] * static_cast<double>(n)));
+    const int64_t theta = order[n - 1 - pos].len;  // order is by length descending
+    if (theta < order[0].len && std::find(out.begin(), out.end(), theta) == out.end()) out.push_back(theta);
+  }
+  return out;
+}
 
 // `moves` random moves (a random sequence to a random other replica that can hold it).
 void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& params, SplitMix64& rng,
@@ -350,16 +379,26 @@ void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& p
 }  // namespace
 
 BalanceOut balance(const int64_t* len, int64_t n, const std::vector<Params>& params, uint64_t seed, int64_t restarts,
-                   bool local_search, int64_t budget) {
+                   bool local_search, int64_t budget, int64_t starts) {
   const std::vector<Type> types = replica_types(params);
-  State best = greedy(len, params, types, sorted_order(len, n), true);
-  recompute(best, params);
-  const double greedy_ms = max_of(best.est);
-  if (local_search) {
-    Search(best, params, budget).run();
-    recompute(best, params);
+  const std::vector<Item> order = sorted_items(len, n);
+  State best(params.size());
+  double best_ms = 0.0, greedy_ms = 0.0;
+  bool have = false;
+  for (int64_t theta : start_thresholds(order, params, starts)) {
+    State st = greedy(params, types, order, theta);
+    recompute(st, params);
+    if (!have) greedy_ms = max_of(st.est);
+    if (local_search) {
+      Search(st, params, budget).run();
+      recompute(st, params);
+    }
+    if (!have || max_of(st.est) < best_ms) {
+      best_ms = max_of(st.est);
+      best = std::move(st);
+      have = true;
+    }
   }
-  double best_ms = max_of(best.est);
   SplitMix64 rng(seed);
   if (params.size() > 1 && n > 0) {
     for (int64_t k = 0; k < restarts; ++k) {

@@ -3,13 +3,16 @@
 //
 // Why it exists: the C++ kernels must return bit-identical results to the Python
 // reference (dcp_ext/assign/model.py, rng.py, ref_*.py). Every float expression here
-// is written in the same operation order as there, and FP contraction (FMA) is off so
-// the compiler cannot fuse a*b+c differently than Python evaluates it.
+// is written in the same operation order as there, and FP contraction (FMA) must be off
+// so the compiler cannot fuse a*b+c differently than Python evaluates it.
 #pragma once
 
+// Targets with fast FMA (aarch64, x86 with -mfma) would let GCC fuse a*b+c; there the
+// pragma turns that off (at some cost in inlining; -ffp-contract=off in setup.py would be
+// cleaner). Plain x86-64 has no FMA instruction to fuse with, and the pragma is left out.
 #if defined(__clang__)
 #pragma clang fp contract(off)
-#elif defined(__GNUC__)
+#elif defined(__GNUC__) && (defined(__FP_FAST_FMA) || defined(__aarch64__))
 #pragma GCC optimize("fp-contract=off")
 #endif
 
@@ -118,22 +121,29 @@ inline int64_t crossing(FA&& A, FB&& B, int64_t lo, int64_t hi) {
   return lo;
 }
 
-// Indices by (length desc, index asc): a counting sort when lengths are small.
-inline std::vector<int64_t> sorted_order(const int64_t* len, int64_t n) {
-  std::vector<int64_t> order(n);
-  if (n == 0) return order;
+// Sequences as (length, index) by (length desc, index asc): a counting sort when lengths
+// are small. Contiguous items keep the greedy's reads sequential (len[i] in sorted order
+// would miss the cache on every sequence of a million).
+inline std::vector<Item> sorted_items(const int64_t* len, int64_t n) {
+  std::vector<Item> out(n);
+  if (n == 0) return out;
   int64_t mx = *std::max_element(len, len + n);
   if (mx <= 4 * n + 65536) {
     std::vector<int64_t> start(mx + 2, 0);
     for (int64_t i = 0; i < n; ++i) ++start[mx - len[i] + 1];  // bucket mx-len: longest first
     for (int64_t k = 1; k <= mx + 1; ++k) start[k] += start[k - 1];
-    for (int64_t i = 0; i < n; ++i) order[start[mx - len[i]]++] = i;
+    for (int64_t i = 0; i < n; ++i) out[start[mx - len[i]]++] = Item{len[i], i};
   } else {
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [len](int64_t x, int64_t y) {
-      return len[x] > len[y] || (len[x] == len[y] && x < y);
-    });
+    for (int64_t i = 0; i < n; ++i) out[i] = Item{len[i], i};
+    std::sort(out.begin(), out.end(), item_before);
   }
+  return out;
+}
+
+inline std::vector<int64_t> sorted_order(const int64_t* len, int64_t n) {
+  std::vector<Item> items = sorted_items(len, n);
+  std::vector<int64_t> order(n);
+  for (int64_t k = 0; k < n; ++k) order[k] = items[k].idx;
   return order;
 }
 

@@ -52,12 +52,12 @@ py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
 }
 
 py::tuple balance(const LenArray& lengths, const py::sequence& params, uint64_t seed, int64_t restarts,
-                  bool local_search, int64_t budget) {
+                  bool local_search, int64_t budget, int64_t starts) {
   const auto P = to_params_list(params);
   dcp::BalanceOut out;
   {
     py::gil_scoped_release nogil;
-    out = dcp::balance(lengths.data(), lengths.size(), P, seed, restarts, local_search, budget);
+    out = dcp::balance(lengths.data(), lengths.size(), P, seed, restarts, local_search, budget, starts);
   }
   return py::make_tuple(to_array(out.assignment), out.est, out.makespan, out.greedy_makespan);
 }
@@ -73,18 +73,15 @@ py::list pack(const LenArray& lengths, const py::handle& p, uint64_t seed, int64
 }
 
 py::tuple plan(const LenArray& lengths, const py::sequence& params, uint64_t seed, int64_t restarts, int64_t budget,
-               int64_t pack_restarts, int64_t pack_budget) {
+               int64_t starts, int64_t pack_restarts, int64_t pack_budget, int64_t calib_rounds) {
   const auto P = to_params_list(params);
-  dcp::BalanceOut bal;
-  std::vector<MicroBatches> mbs;
-  std::vector<double> times;
+  dcp::PlanOut out;
   {
     py::gil_scoped_release nogil;
-    bal = dcp::balance(lengths.data(), lengths.size(), P, seed, restarts, true, budget);
-    dcp::pack_assignment(lengths.data(), lengths.size(), P, bal.assignment.data(), seed, pack_restarts, pack_budget,
-                         mbs, times);
+    out = dcp::plan(lengths.data(), lengths.size(), P, seed, restarts, budget, starts, pack_restarts, pack_budget,
+                    calib_rounds);
   }
-  return py::make_tuple(to_array(bal.assignment), to_py(mbs), times, bal.est);
+  return py::make_tuple(to_array(out.assignment), to_py(out.mbs), out.times, out.est);
 }
 
 py::tuple pack_assignment(const LenArray& lengths, const py::sequence& params, const LenArray& assignment,
@@ -120,10 +117,10 @@ PYBIND11_MODULE(_assign_cpp, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";
   m.attr("name") = "cpp";
   m.def("balance", &balance, py::arg("lengths"), py::arg("params"), py::arg("seed"), py::arg("restarts"),
-        py::arg("local_search"), py::arg("budget"));
+        py::arg("local_search"), py::arg("budget"), py::arg("starts"));
   m.def("pack", &pack, py::arg("lengths"), py::arg("p"), py::arg("seed"), py::arg("restarts"), py::arg("budget"));
   m.def("plan", &plan, py::arg("lengths"), py::arg("params"), py::arg("seed"), py::arg("restarts"), py::arg("budget"),
-        py::arg("pack_restarts"), py::arg("pack_budget"));
+        py::arg("starts"), py::arg("pack_restarts"), py::arg("pack_budget"), py::arg("calib_rounds"));
   m.def("pack_assignment", &pack_assignment, py::arg("lengths"), py::arg("params"), py::arg("assignment"),
         py::arg("seed"), py::arg("pack_restarts"), py::arg("pack_budget"));
   m.def("baseline", &baseline, py::arg("name"), py::arg("lengths"), py::arg("params"), py::arg("seed"));

@@ -4,6 +4,7 @@
 // under the cap (best-fit decreasing if that fails) and improved by moves and swaps.
 // Mirrors dcp_ext/assign/ref_pack.py operation for operation (same results).
 #include <queue>
+#include <set>
 
 #include "assign_kernels.hpp"
 
@@ -65,6 +66,27 @@ bool pack_v(const int64_t* len, const std::vector<double>& costs, int64_t cap, i
   return true;
 }
 
+// Classic best-fit decreasing: the open bin with the least room that fits (ties: lower
+// bin), a new bin when none does. Bins keyed by (room, index) in a multiset.
+MicroBatches best_fit_decreasing(const int64_t* len, const std::vector<int64_t>& order, int64_t cap) {
+  MicroBatches bins;
+  std::set<std::pair<int64_t, int64_t>> open;  // (room, bin)
+  for (int64_t i : order) {
+    const int64_t s = len[i];
+    auto it = open.lower_bound({s, -1});
+    if (it == open.end()) {
+      open.emplace(cap - s, static_cast<int64_t>(bins.size()));
+      bins.push_back({i});
+    } else {
+      const auto [room, k] = *it;
+      open.erase(it);
+      open.emplace(room - s, k);
+      bins[k].push_back(i);
+    }
+  }
+  return bins;
+}
+
 double bins_time(const Bins& b, double o, int64_t q) {
   double t = 0.0, cm = 0.0;
   for (size_t k = 0; k < b.C.size(); ++k) {
@@ -76,7 +98,7 @@ double bins_time(const Bins& b, double o, int64_t q) {
   return t + static_cast<double>(q) * (o + cm);
 }
 
-void improve(Bins& b, const std::vector<double>& costs, int64_t cap, int64_t budget) {
+void improve(Bins& b, const std::vector<double>& costs, int64_t cap, int64_t budget, double good_enough) {
   const int64_t v = static_cast<int64_t>(b.C.size());
   int64_t evals = 0;
   while (evals < budget) {
@@ -84,7 +106,7 @@ void improve(Bins& b, const std::vector<double>& costs, int64_t cap, int64_t bud
     for (int64_t x = 1; x < v; ++x)
       if (b.C[x] > b.C[k]) k = x;
     const double M = b.C[k];
-    if (!(M > 0.0)) return;
+    if (!(M > good_enough)) return;
     double best_val = M - M * kRelTol;
     bool found = false;
     int64_t bj = -1, bp = -1, bq = -1;
@@ -172,6 +194,12 @@ double lower_bound_v(double W, double m, double o, int64_t q, int64_t v) {
   return W + dv * o + static_cast<double>(q) * (o + std::max(W / dv, m));
 }
 
+constexpr double kGoodEnough = 1e-4;  // stop improving once (pp-1)*(largest - its bound) < this * LB(v)
+
+double good_enough(double W, double m, double o, int64_t q, int64_t v) {
+  return std::max(W / static_cast<double>(v), m) + kGoodEnough * lower_bound_v(W, m, o, q, v) / static_cast<double>(q);
+}
+
 int64_t vstar(double W, double m, double o, int64_t q, int64_t v0, int64_t n) {
   if (q == 0) return v0;
   const double vk = m > 0.0 ? W / m : 0.0;
@@ -203,6 +231,11 @@ MicroBatches pack(const int64_t* len, int64_t n, const Params& p, uint64_t seed,
     W += costs[i];
     T += len[i];
   }
+  if (q == 0) {  // time = W + v*o: only the count matters
+    out = best_fit_decreasing(len, order, cap);
+    for (auto& mb : out) std::sort(mb.begin(), mb.end());
+    return out;
+  }
   const double m = costs[order[0]];
   const int64_t v0 = (T + cap - 1) / cap;
   const int64_t vs = vstar(W, m, o, q, v0, n);
@@ -213,11 +246,11 @@ MicroBatches pack(const int64_t* len, int64_t n, const Params& p, uint64_t seed,
   Bins best(0);
   auto attempt = [&](int64_t v, const std::vector<int64_t>& ord, Bins& b) {
     if (!pack_v(len, costs, cap, v, ord, b)) return false;
-    if (q > 0) improve(b, costs, cap, budget);
+    improve(b, costs, cap, budget, good_enough(W, m, o, q, v));
     return true;
   };
   auto consider = [&](int64_t v) {
-    if (have && !(lower_bound_v(W, m, o, q, v) < best_t - best_t * kRelTol)) return false;
+    if (have && !(lower_bound_v(W, m, o, q, v) < best_t - best_t * kGoodEnough)) return false;
     Bins b(v);
     if (attempt(v, order, b)) {
       const double t = bins_time(b, o, q);

@@ -46,7 +46,7 @@ def _check_plan(lengths, replicas, res):
 def test_balance_properties(impl, inst):
     lengths, replicas = inst
     res = balance(lengths, replicas, impl=impl)
-    start = balance(lengths, replicas, impl=impl, restarts=0, local_search=False)
+    start = balance(lengths, replicas, impl=impl, restarts=0, local_search=False, starts=1)
     n = len(lengths)
     assert res.assignment.shape == (n,) and res.assignment.dtype == np.int64
     assert all(0 <= r < len(replicas) for r in res.assignment.tolist())

@@ -11,7 +11,7 @@ with one warning, where the extension is not built (DCP_ASSIGN_IMPL=python force
     baseline_plan(name, ...)         -> PlanResult      megatron, bucketing, isf, hbp
     dcp_ext.assign.exact             HiGHS MILP optimum for small instances (needs highspy)
 """
-from .api import (BASELINES, auto_budget, auto_pack_restarts, auto_restarts, balance, baseline_plan,
+from .api import (BASELINES, auto_budget, auto_pack_restarts, auto_restarts, auto_starts, balance, baseline_plan,
                   bucketing_plan, hbp_plan, isf_plan, megatron_plan, pack, pack_assignment, plan_replicas)
 from .backend import cpp_available, default_backend
 from .model import BalanceResult, PlanResult, ReplicaCost, estimate, replica_time, seq_cost
@@ -20,7 +20,7 @@ IMPLEMENTATION: str = default_backend().name
 
 __all__ = [
     "BASELINES", "BalanceResult", "IMPLEMENTATION", "PlanResult", "ReplicaCost", "auto_budget",
-    "auto_pack_restarts", "auto_restarts", "balance", "baseline_plan", "bucketing_plan", "cpp_available",
+    "auto_pack_restarts", "auto_restarts", "auto_starts", "balance", "baseline_plan", "bucketing_plan", "cpp_available",
     "estimate", "hbp_plan", "isf_plan", "megatron_plan", "pack", "pack_assignment", "plan_replicas",
     "replica_time", "seq_cost",
 ]

@@ -25,7 +25,16 @@ def auto_restarts(n: int) -> int:
 
 def auto_budget(n: int) -> int:
     """Estimate evaluations one local search may spend (deterministic work bound)."""
-    return 20_000 + 4 * n
+    return 10_000 + n
+
+
+def auto_starts(n: int) -> int:
+    """Greedy starts of stage 1 (see ref_balance.START_QUANTILES): all for small inputs."""
+    if n <= 2000:
+        return 7
+    if n <= 5000:
+        return 3
+    return 1
 
 
 def auto_pack_restarts(n: int) -> int:
@@ -38,26 +47,29 @@ def _seed(seed) -> int:
     return int(seed) & ((1 << 64) - 1)
 
 
-def _resolve(n, restarts, ls_budget):
+def _resolve(n, restarts, ls_budget, starts):
     restarts = auto_restarts(n) if restarts is None else check_count("restarts", restarts, 0)
     ls_budget = auto_budget(n) if ls_budget is None else check_count("ls_budget", ls_budget, 0)
-    return restarts, ls_budget
+    starts = auto_starts(n) if starts is None else check_count("starts", starts, 1)
+    return restarts, ls_budget, starts
 
 
-def balance(lengths, replicas, *, seed=0, restarts=None, local_search=True, ls_budget=None,
+def balance(lengths, replicas, *, seed=0, restarts=None, local_search=True, ls_budget=None, starts=None,
             impl=None) -> BalanceResult:
     """Stage 1: a replica per sequence minimising the largest stage-1 estimate.
 
     The estimate (model.estimate) is a lower bound of replica_time over all packings.
-    restarts / ls_budget default to sizes picked by auto_restarts / auto_budget;
-    local_search=False returns the greedy start; impl forces 'cpp' or 'python'.
+    starts / restarts / ls_budget default to sizes picked by auto_starts / auto_restarts /
+    auto_budget; starts=1, restarts=0, local_search=False returns the plain greedy;
+    impl forces 'cpp' or 'python'.
     """
     arr = check_lengths(lengths)
     params = check_replicas(replicas)
     check_fits(arr, params)
-    restarts, ls_budget = _resolve(arr.size, restarts, ls_budget)
+    restarts, ls_budget, starts = _resolve(arr.size, restarts, ls_budget, starts)
     be = _backend.get(impl)
-    assignment, est, ms, greedy_ms = be.balance(arr, params, _seed(seed), restarts, bool(local_search), ls_budget)
+    assignment, est, ms, greedy_ms = be.balance(arr, params, _seed(seed), restarts, bool(local_search), ls_budget,
+                                                starts)
     return BalanceResult(assignment=np.asarray(assignment, dtype=np.int64),
                          replica_times=np.asarray(est, dtype=np.float64),
                          makespan=float(ms), greedy_makespan=float(greedy_ms))
@@ -73,11 +85,14 @@ def pack(lengths, rc: ReplicaCost, *, seed=0, restarts=None, ls_budget=None, imp
     return _backend.get(impl).pack(arr, p, _seed(seed), restarts, ls_budget)
 
 
-def _plan_result(arr, params, mbs, times=None, est=None) -> PlanResult:
-    assignment = np.full(arr.size, -1, dtype=np.int64)
-    for r, rmbs in enumerate(mbs):
-        for mb in rmbs:
-            assignment[mb] = r
+def _plan_result(arr, params, mbs, times=None, est=None, assignment=None) -> PlanResult:
+    if assignment is None:
+        assignment = np.full(arr.size, -1, dtype=np.int64)
+        for r, rmbs in enumerate(mbs):
+            for mb in rmbs:
+                assignment[mb] = r
+    else:
+        assignment = np.asarray(assignment, dtype=np.int64)
     if times is None:
         lst = arr.tolist()
         times = [replica_time_params(params[r], lst, mbs[r]) for r in range(len(params))]
@@ -87,19 +102,23 @@ def _plan_result(arr, params, mbs, times=None, est=None) -> PlanResult:
                       estimates=None if est is None else np.asarray(est, dtype=np.float64))
 
 
-def plan_replicas(lengths, replicas, *, seed=0, restarts=None, ls_budget=None, pack_restarts=None,
-                  impl=None) -> PlanResult:
+def plan_replicas(lengths, replicas, *, seed=0, restarts=None, ls_budget=None, starts=None, pack_restarts=None,
+                  calib_rounds=1, impl=None) -> PlanResult:
     """Stage 1 + stage 2: assignment, per-replica micro-batches (indices into lengths),
-    per-replica replica_time, makespan, and the stage-1 estimates."""
+    per-replica replica_time, makespan, and the stage-1 estimates.
+
+    calib_rounds: reruns of stage 1 with each replica's costs scaled by its packing loss
+    (ref_plan.py); 0 gives the plain two-stage plan."""
     arr = check_lengths(lengths)
     params = check_replicas(replicas)
     check_fits(arr, params)
-    restarts, ls_budget = _resolve(arr.size, restarts, ls_budget)
-    pr = auto_pack_restarts(arr.size // len(params)) if pack_restarts is None else check_count("pack_restarts", pack_restarts, 0)
-    assignment, mbs, times, est = _backend.get(impl).plan(arr, params, _seed(seed), restarts, ls_budget, pr,
-                                                          auto_budget(arr.size))
-    res = _plan_result(arr, params, mbs, times, est)
-    return res
+    restarts, ls_budget, starts = _resolve(arr.size, restarts, ls_budget, starts)
+    pr = (auto_pack_restarts(arr.size // len(params)) if pack_restarts is None
+          else check_count("pack_restarts", pack_restarts, 0))
+    calib_rounds = check_count("calib_rounds", calib_rounds, 0)
+    assignment, mbs, times, est = _backend.get(impl).plan(arr, params, _seed(seed), restarts, ls_budget, starts, pr,
+                                                          auto_budget(arr.size), calib_rounds)
+    return _plan_result(arr, params, mbs, times, est, assignment)
 
 
 def pack_assignment(lengths, replicas, assignment, *, seed=0, pack_restarts=None, impl=None) -> PlanResult:
@@ -115,10 +134,11 @@ def pack_assignment(lengths, replicas, assignment, *, seed=0, pack_restarts=None
         if arr[i] > min(params[r][5], params[r][6]):
             raise ValueError(f"sequence {i} (length {int(arr[i])}) does not fit replica {r} "
                              f"(max_seq_len {params[r][5]}, max_mb_tokens {params[r][6]})")
-    pr = auto_pack_restarts(arr.size // len(params)) if pack_restarts is None else check_count("pack_restarts", pack_restarts, 0)
+    pr = (auto_pack_restarts(arr.size // len(params)) if pack_restarts is None
+          else check_count("pack_restarts", pack_restarts, 0))
     mbs, times = _backend.get(impl).pack_assignment(arr, params, a.astype(np.int64), _seed(seed), pr,
                                                      auto_budget(arr.size))
-    return _plan_result(arr, params, mbs, times)
+    return _plan_result(arr, params, mbs, times, assignment=a.astype(np.int64))
 
 
 def baseline_plan(name: str, lengths, replicas, *, seed=0, impl=None) -> PlanResult:

@@ -17,16 +17,17 @@ class PythonBackend:
     name = "python"
 
     @staticmethod
-    def balance(lengths, params, seed, restarts, local_search, budget):
-        return ref_balance.balance(list(map(int, lengths)), params, seed, restarts, local_search, budget)
+    def balance(lengths, params, seed, restarts, local_search, budget, starts):
+        return ref_balance.balance(list(map(int, lengths)), params, seed, restarts, local_search, budget, starts)
 
     @staticmethod
     def pack(lengths, p, seed, restarts, budget):
         return ref_pack.pack(list(map(int, lengths)), p, seed, restarts, budget)
 
     @staticmethod
-    def plan(lengths, params, seed, restarts, budget, pack_restarts, pack_budget):
-        return ref_plan.plan(list(map(int, lengths)), params, seed, restarts, budget, pack_restarts, pack_budget)
+    def plan(lengths, params, seed, restarts, budget, starts, pack_restarts, pack_budget, calib_rounds):
+        return ref_plan.plan(list(map(int, lengths)), params, seed, restarts, budget, starts, pack_restarts,
+                             pack_budget, calib_rounds)
 
     @staticmethod
     def pack_assignment(lengths, params, assignment, seed, pack_restarts, pack_budget):

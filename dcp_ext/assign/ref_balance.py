@@ -3,6 +3,11 @@
 Scheduling on unrelated machines with eligibility: each sequence goes to one replica so
 that the largest stage-1 estimate (model.estimate) is smallest.
 
+  starts   the greedy runs once per start, each followed by the local search; start k >= 1
+           lets pipeline replicas (pp > 1) take only sequences up to the START_QUANTILES[k]
+           length quantile (unless no pp == 1 replica holds them): a pipeline replica pays
+           (pp-1) x its largest micro-batch, and largest-first greedy hands it long
+           sequences the search cannot trade back one at a time. Best start wins.
   greedy   sequences by decreasing length (ties: lower index). Replicas with identical
            parameters form a type; within a type the candidate is the replica with the
            smallest estimate (ties: lower index), across types the one whose estimate
@@ -36,6 +41,8 @@ from .rng import SplitMix64
 PERTURB = 0.3
 REL_TOL = 1e-12
 KICK_MIN, KICK_SPREAD = 2, 3  # restart k kicks with KICK_MIN + k % KICK_SPREAD random moves
+# Greedy start k caps the sequences pipeline replicas take at this length quantile (1.0: no cap).
+START_QUANTILES = (1.0, 0.95, 0.85, 0.75, 0.65, 0.5, 0.35)
 
 
 def replica_types(params: list[tuple]) -> list[tuple[tuple, list[int]]]:
@@ -72,15 +79,20 @@ class State:
         self.mem: list[list[tuple[int, int]]] = [[] for _ in range(R)]
 
 
-def greedy(lengths: list[int], params: list[tuple], types, order: list[int]) -> State:
+def greedy(lengths: list[int], params: list[tuple], types, order: list[int], theta: int = 0) -> State:
+    """theta > 0: pipeline replicas (pp > 1) refuse sequences longer than theta unless no
+    replica with pp == 1 can hold them."""
     st = State(params)
     heaps = [[(0.0, r) for r in reps] for _, reps in types]
     caps = [min(p[5], p[6]) for p, _ in types]
+    flat_cap = max([caps[t] for t, (p, _) in enumerate(types) if p[4] == 1], default=0)
     for i in order:
         s = lengths[i]
         best_val, best_r, best_t, best_c, best_m = math.inf, -1, -1, 0.0, 0.0
         for t, (p, _) in enumerate(types):
             if s > caps[t]:
+                continue
+            if theta > 0 and p[4] > 1 and s > theta and s <= flat_cap:
                 continue
             r = heaps[t][0][1]
             c = seq_cost(p, s)
@@ -340,18 +352,37 @@ def kick(st: State, lengths: list[int], rng: SplitMix64, moves: int) -> None:
     recompute(st)
 
 
+def start_thresholds(lengths: list[int], params: list[tuple], starts: int) -> list[int]:
+    """Length caps for pipeline replicas, one per greedy start (0: none), duplicates dropped."""
+    out = [0]
+    if not lengths or not any(p[4] > 1 for p in params) or not any(p[4] == 1 for p in params):
+        return out
+    asc = sorted(lengths)
+    n = len(asc)
+    for f in START_QUANTILES[1:starts]:
+        theta = asc[min(n - 1, int(f * n))]
+        if theta < asc[-1] and theta not in out:
+            out.append(theta)
+    return out
+
+
 def balance(lengths: list[int], params: list[tuple], seed: int, restarts: int,
-            local_search: bool, budget: int):
-    """-> (assignment list, estimates list, makespan, greedy makespan)."""
+            local_search: bool, budget: int, starts: int = 1):
+    """-> (assignment list, estimates list, makespan, greedy makespan of the first start)."""
     n = len(lengths)
     types = replica_types(params)
-    st = greedy(lengths, params, types, sorted_order(lengths))
-    recompute(st)
-    greedy_ms = max(st.est)
-    if local_search:
-        _Search(st, budget).run()
+    order = sorted_order(lengths)
+    best, best_ms, greedy_ms = None, 0.0, 0.0
+    for theta in start_thresholds(lengths, params, starts):
+        st = greedy(lengths, params, types, order, theta)
         recompute(st)
-    best, best_ms = st, max(st.est)
+        if best is None:
+            greedy_ms = max(st.est)
+        if local_search:
+            _Search(st, budget).run()
+            recompute(st)
+        if best is None or max(st.est) < best_ms:
+            best, best_ms = st, max(st.est)
     rng = SplitMix64(seed)
     if len(params) > 1 and n > 0:
         for k in range(restarts):

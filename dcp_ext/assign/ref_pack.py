@@ -2,17 +2,22 @@
 
 One replica's sequences go into micro-batches of at most max_mb_tokens tokens so that
     time = sum_k (o + C_k) + q * (o + max_k C_k)        (C_k: sum of sequence costs in k)
-is smallest (o = mb_overhead, q = pp - 1). For a count v of micro-batches the time is at
+is smallest (o = mb_overhead, q = pp - 1). With pp == 1 only the count matters: classic
+best-fit decreasing (tightest open bin, ties: lower bin; a new bin when none fits).
+Otherwise, for a count v of micro-batches the time is at
 least LB(v) = W + v*o + q*(o + max(W/v, m)), convex in v, so v is enumerated outwards from
-its integer minimiser v* (first up, then down) while LB(v) can still beat the best found.
+its integer minimiser v* (first up, then down) while LB(v) can still beat the best found
+by more than 1e-4 of it.
 
   pack_v   v bins; sequences by decreasing length go to the bin with the smallest cost
            among those with room (LPT under the token cap; ties: lower bin); if one does
            not fit anywhere, best-fit decreasing by tokens (tightest room; ties: lower
            bin); if that fails too, v is infeasible.
-  improve  (pp > 1 only: with pp == 1 only v matters) local search on the largest bin:
+  improve  local search on the largest bin:
            best move of one sequence to a bin with room, else best swap, accepted when it
-           lowers that bin's cost by a relative 1e-12; binary searches as in stage 1.
+           lowers that bin's cost by a relative 1e-12; binary searches as in stage 1. It
+           stops when what is left to gain, (pp-1) * (largest - max(W/v, m)), is below
+           1e-4 of LB(v).
   restarts attempt k >= 1 re-packs the best v with lengths * (1 + 0.3 u) ordering.
 Micro-batches come out in bin order (empty ones dropped), indices ascending inside.
 """
@@ -24,6 +29,8 @@ from bisect import bisect_left, insort
 from .model import seq_cost
 from .ref_balance import PERTURB, REL_TOL, _crossing, first_at_most, sorted_order
 from .rng import SplitMix64
+
+GOOD_ENOUGH = 1e-4  # stop improving once (pp-1) * (largest - its lower bound) < this * LB(v)
 
 
 class Bins:
@@ -66,6 +73,26 @@ def pack_v(lengths, costs, cap: int, v: int, order):
     return b
 
 
+def best_fit_decreasing(lengths, order, cap: int) -> list[list[int]]:
+    """Classic BFD: each sequence into the open bin with the least room that fits (ties:
+    lower bin), a new bin when none does."""
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in order:
+        s = lengths[i]
+        k_best = -1
+        for k in range(len(room)):
+            if room[k] >= s and (k_best < 0 or room[k] < room[k_best]):
+                k_best = k
+        if k_best < 0:
+            room.append(cap - s)
+            bins.append([i])
+        else:
+            room[k_best] -= s
+            bins[k_best].append(i)
+    return bins
+
+
 def bins_time(b: Bins, o: float, q: int) -> float:
     t, cm = 0.0, 0.0
     for k in range(len(b.C)):
@@ -76,13 +103,13 @@ def bins_time(b: Bins, o: float, q: int) -> float:
     return t + q * (o + cm)
 
 
-def improve(b: Bins, costs, cap: int, budget: int) -> None:
+def improve(b: Bins, costs, cap: int, budget: int, good_enough: float) -> None:
     v = len(b.C)
     evals = 0
     while evals < budget:
         k = max(range(v), key=lambda x: (b.C[x], -x))
         M = b.C[k]
-        if not M > 0.0:
+        if not M > good_enough:
             return
         best_val, best = M - M * REL_TOL, None
         memk = b.mem[k]
@@ -171,6 +198,11 @@ def _lb(W: float, m: float, o: float, q: int, v: int) -> float:
     return W + v * o + q * (o + max(W / v, m))
 
 
+def _good_enough(W: float, m: float, o: float, q: int, v: int) -> float:
+    """Largest micro-batch cost at which improving stops: within GOOD_ENOUGH of LB(v)."""
+    return max(W / v, m) + GOOD_ENOUGH * _lb(W, m, o, q, v) / q
+
+
 def _vstar(W: float, m: float, o: float, q: int, v0: int, n: int) -> int:
     if q == 0:
         return v0
@@ -197,6 +229,8 @@ def pack(lengths: list[int], p: tuple, seed: int, restarts: int, budget: int) ->
     for i in order:
         W += costs[i]
         T += lengths[i]
+    if q == 0:  # time = W + v*o: only the count matters
+        return [sorted(b) for b in best_fit_decreasing(lengths, order, cap)]
     m = costs[order[0]]
     v0 = (T + cap - 1) // cap
     vs = _vstar(W, m, o, q, v0, n)
@@ -207,13 +241,12 @@ def pack(lengths: list[int], p: tuple, seed: int, restarts: int, budget: int) ->
         b = pack_v(lengths, costs, cap, v, ordr)
         if b is None:
             return None
-        if q > 0:
-            improve(b, costs, cap, budget)
+        improve(b, costs, cap, budget, _good_enough(W, m, o, q, v))
         return b
 
     def consider(v):
         nonlocal best_t, best_b, best_v
-        if best_b is not None and not _lb(W, m, o, q, v) < best_t - best_t * REL_TOL:
+        if best_b is not None and not _lb(W, m, o, q, v) < best_t - best_t * GOOD_ENOUGH:
             return False
         b = attempt(v, order)
         if b is not None:
