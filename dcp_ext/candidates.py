@@ -114,7 +114,7 @@ def _fill(prep: BatchPrep, order: Sequence[tuple[Layout, int, float]], T: float)
         if room <= 0 or pos < t.first_ok or t.alone[pos] + sync > T:
             bounds.append(pos)
             continue
-        wp = pipeline_capacity(room, lay.pp, t.c0)
+        wp = pipeline_capacity(room, lay.pp, t.c0, t.tt.mb_full)
         if lay.pp > 1:
             # the replica holding a document pays ~(pp-1) times its cost in bubble
             big = t.cost[pos : pos + cnt]
@@ -236,7 +236,7 @@ def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
         for lay in reversed(order):
             t = prep.types[lay]
             sync = prep.sync(lay, None)
-            w = pipeline_capacity(T - sync, lay.pp, t.c0)
+            w = pipeline_capacity(T - sync, lay.pp, t.c0, t.tt.mb_full)
             cumB = t.cum[B]
             start = B[:-1]
             ok_start = np.zeros(nb + 1, dtype=bool)

@@ -70,6 +70,7 @@ class AdaptivePlanner(PlannerBase):
         switch_margin: float = 0.01,
         switch_cost_s: float = 0.0,
         max_moves: int | None = None,
+        screen_slack: float = 0.01,
         layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
     ):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
@@ -77,6 +78,7 @@ class AdaptivePlanner(PlannerBase):
         self.top_k = top_k
         self.switch_margin = switch_margin
         self.switch_cost_s = switch_cost_s
+        self.screen_slack = screen_slack
         self.max_moves = max_moves
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
         if not allowed:
@@ -106,6 +108,7 @@ class AdaptivePlanner(PlannerBase):
         self._current: Counts | None = None
         self._last_index: int | None = None
         self.last_choice: dict = {}
+        self._debug_est: dict = {}
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
@@ -130,10 +133,13 @@ class AdaptivePlanner(PlannerBase):
             t, order, bounds = screen(prep, c)
             est.append((t, c, order, bounds))
         ranked = sorted(range(len(est)), key=lambda i: (est[i][0], i))
-        pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0])]
+        t0 = est[ranked[0]][0]
+        # plan in full the best estimates (those within the estimate's accuracy of the
+        # best) and the current layout when staying on it is plausible
+        pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0]) and est[i][0] <= t0 * (1 + self.screen_slack)]
         if self._current is not None:
             cur_i = self.pool.layouts.index(self._current)
-            if cur_i not in pick and math.isfinite(est[cur_i][0]):
+            if cur_i not in pick and est[cur_i][0] <= t0 * (1 + self.switch_margin + self.screen_slack):
                 pick.append(cur_i)
         if not pick:
             raise PlanningError(f"no candidate layout can run this batch (longest sequence {longest} tokens)")
@@ -176,7 +182,7 @@ class AdaptivePlanner(PlannerBase):
             t = tob[k]
             if t.tt.pp == 1:
                 return sync[k] + w
-            return sync[k] + w + max(pipeline_overhead(w, t.tt.pp, t.c0), (t.tt.pp - 1) * big)
+            return sync[k] + w + max(pipeline_overhead(w, t.tt.pp, t.c0, t.tt.mb_full), (t.tt.pp - 1) * big)
 
         # stage 1a: earliest finish, longest first. A document may go to the type whose
         # length range (from the estimate) holds it or to a type ranked before it (more
@@ -187,6 +193,7 @@ class AdaptivePlanner(PlannerBase):
             heapq.heapify(h)
             heaps.append(h)
         is_pp = [lay.pp > 1 for lay, _, _ in order]
+        pp_const = [(lay.pp - 1, prep.types[lay].c0, prep.sync(lay, R), prep.types[lay].tt.mb_full) for lay, _, _ in order]
         costs = [prep.types[lay].cost for lay, _, _ in order]
         big = [0.0] * R
         nt = len(order)
@@ -202,7 +209,17 @@ class AdaptivePlanner(PlannerBase):
                 if c == inf:
                     continue
                 load, k = heaps[j][0]
-                t = est(k, work[k] + c, big[k] if big[k] > c else c) if is_pp[j] else load + c
+                if is_pp[j]:
+                    q, c0, sy, full = pp_const[j]
+                    w = work[k] + c
+                    bg = big[k] if big[k] > c else c
+                    o1 = 2.0 * math.sqrt(q * c0 * w)
+                    if o1 > q * full:
+                        o1 = q * full
+                    o2 = q * bg
+                    t = sy + w + (o1 if o1 > o2 else o2)
+                else:
+                    t = load + c
                 if t < best_t:
                     best_k, best_t, best_j = k, t, j
             if best_k < 0:  # nothing up to its range holds it: any type that can
@@ -223,7 +240,7 @@ class AdaptivePlanner(PlannerBase):
             heapq.heapreplace(heaps[best_j], (best_t, best_k))
         # stage 1b: move documents from the most to the least loaded replica
         self._rebalance(docs, work, tob, est)
-        self._debug_est = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
+        self._debug_est[counts] = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
         # stage 2: pack, choose recompute, price exactly
         out = []
         sl = prep.__dict__.get("_s_list")
@@ -260,7 +277,11 @@ class AdaptivePlanner(PlannerBase):
             return
         big = [self._big(tob[k], docs[k]) for k in range(R)]
         times = [est(k, work[k], big[k]) for k in range(R)]
+        by_layout: dict = {}
+        for k in range(R):
+            by_layout.setdefault(tob[k].tt.layout, []).append(k)
         limit = self.max_moves if self.max_moves is not None else 4 * R + 16
+        swaps = 0
         for _ in range(limit):
             hi = max(range(R), key=lambda k: (times[k], -k))
             t_hi = times[hi]
@@ -287,7 +308,13 @@ class AdaptivePlanner(PlannerBase):
                     if m < t_hi - 1e-12 and (best is None or m < best[0]):
                         best = (m, j, lo)
             if best is None:
-                break
+                # a swap only when the spread is worth it
+                if t_hi - min(times) <= 2e-3 * t_hi or swaps >= R:
+                    break
+                swaps += 1
+                if not self._swap(hi, docs, work, tob, est, times, big, by_layout):
+                    break
+                continue
             _, j, lo = best
             p = docs[hi].pop(j)
             work[hi] -= c_hi[p]
@@ -297,3 +324,55 @@ class AdaptivePlanner(PlannerBase):
             big[lo] = self._big(tob[lo], docs[lo])
             times[hi] = est(hi, work[hi], big[hi])
             times[lo] = est(lo, work[lo], big[lo])
+
+    def _swap(self, hi, docs, work, tob, est, times, big, by_layout) -> bool:
+        """Exchange one document of the latest replica with a cheaper one of an earlier
+        replica (of the same layout, or one of the three earliest overall) if that lowers
+        the later of the two. Returns whether a swap was made."""
+        t_hi = times[hi]
+        same = sorted(by_layout[tob[hi].tt.layout], key=lambda k: times[k])[:3]
+        overall = sorted(range(len(docs)), key=lambda k: times[k])[:3]
+        best = None
+        c_hi = tob[hi].cost
+        def est_vec(k, w, bg):
+            t = tob[k]
+            base = times[k] - work[k]  # sync (and nothing else for pp == 1)
+            if t.tt.pp == 1:
+                return base + w
+            sync = base - max(pipeline_overhead(work[k], t.tt.pp, t.c0, t.tt.mb_full), (t.tt.pp - 1) * big[k])
+            q = t.tt.pp - 1
+            over = np.maximum(np.minimum(2.0 * np.sqrt(q * t.c0 * np.maximum(w, 0.0)), q * t.tt.mb_full), q * bg)
+            return sync + w + over
+
+        for lo in dict.fromkeys(same + overall):
+            if lo == hi or times[lo] >= t_hi:
+                continue
+            dh, dl = np.asarray(docs[hi]), np.asarray(docs[lo])
+            if not len(dh) or not len(dl):
+                continue
+            c_lo = tob[lo].cost
+            hp, lp = c_hi[dh], c_lo[dh]  # hi's documents on hi / on lo
+            hq, lq = c_hi[dl], c_lo[dl]  # lo's documents on hi / on lo
+            w_hi = work[hi] - hp[:, None] + hq[None, :]
+            w_lo = work[lo] - lq[None, :] + lp[:, None]
+            # pipelines: keep the old largest document as the bubble (conservative)
+            b_hi = np.maximum(big[hi], hq[None, :]) if tob[hi].tt.pp > 1 else 0.0
+            b_lo = np.maximum(big[lo], lp[:, None]) if tob[lo].tt.pp > 1 else 0.0
+            with np.errstate(invalid="ignore"):
+                m = np.maximum(est_vec(hi, w_hi, b_hi), est_vec(lo, w_lo, b_lo))
+                m = np.where(np.isfinite(m) & (hq[None, :] < hp[:, None]), m, np.inf)
+            flat = int(np.argmin(m))
+            i, j = divmod(flat, m.shape[1])
+            if m[i, j] < t_hi - 1e-9 and (best is None or m[i, j] < best[0]):
+                best = (float(m[i, j]), i, lo, j)
+        if best is None:
+            return False
+        _, i, lo, j = best
+        p, q = docs[hi][i], docs[lo][j]
+        docs[hi][i], docs[lo][j] = q, p
+        work[hi] += tob[hi].cost[q] - tob[hi].cost[p]
+        work[lo] += tob[lo].cost[p] - tob[lo].cost[q]
+        for k in (hi, lo):
+            big[k] = self._big(tob[k], docs[k])
+            times[k] = est(k, work[k], big[k])
+        return True

@@ -37,6 +37,7 @@ class TypeTable:
     cap_mb: float  # max tokens of a micro-batch without recompute, 1F1B window included
     sync_lb: float  # receive-side sync (lower bound)
     caps_window: list[float] = field(default_factory=list)  # per allowed_rs, pp equal ones in flight
+    mb_full: float = math.inf  # stage seconds of a micro-batch of cap_mb tokens (no recompute)
 
     @property
     def plan_caps(self) -> list[float]:
@@ -75,7 +76,9 @@ def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> Ty
             best = c
     cap_mb = cm.max_tokens(layout, 0, layout.pp) if layout.pp > 1 else cm.max_tokens(layout, 0, 1)
     win = list(np.maximum.accumulate([cm.max_tokens(layout, rs, layout.pp) for rs in rs_ok])) if layout.pp > 1 else []
-    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None), win)
+    co = cm.coeffs(layout, 0)
+    mb_full = co.c0 + co.b * cap_mb + co.c if cap_mb > 0 else math.inf
+    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None), win, mb_full)
 
 
 @dataclass
@@ -108,30 +111,35 @@ def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
         cost[sel] = base + ex
         alone[sel] = tt.pp * t_alone
         rs_arr[sel] = rs
-    # micro-batch constant, amortised over the tokens of a full micro-batch (pp == 1); for
-    # pipelines the constant is part of the bubble/overhead estimate instead
-    if tt.pp == 1 and tt.cap_mb > 0:
+    # micro-batch constant, amortised over the tokens of a full micro-batch (memory caps the
+    # micro-batch, so at least tokens/cap_mb of them); pipelines add their bubble per replica
+    if tt.cap_mb > 0:
         c0 = cm.coeffs(tt.layout, 0).c0
         cost = cost + c0 * np.minimum(sf / tt.cap_mb, 1.0)
     return DocCosts(cost, alone, rs_arr)
 
 
-def pipeline_capacity(work_room: float, pp: int, c0: float) -> float:
-    """Stage work W a pp-stage replica can do in `work_room` seconds, with the number of
-    micro-batches m chosen to balance bubble (pp-1)W/m and overhead m*c0:
-    W + 2*sqrt((pp-1)*c0*W) <= room."""
+def pipeline_overhead(work: float, pp: int, c0: float, mb_full: float = math.inf) -> float:
+    """Bubble plus extra micro-batch constants of a pp-stage 1F1B replica doing `work`
+    seconds of stage work (documents' costs, which already carry one constant per full
+    micro-batch): with m equal micro-batches it is (pp-1)*work/m + extra*c0, at best
+    2*sqrt((pp-1)*c0*work); when memory already forces micro-batches of at most a full
+    one (`mb_full` seconds) it is at most (pp-1)*mb_full."""
+    if pp == 1 or work <= 0:
+        return 0.0
+    q = pp - 1
+    return min(2.0 * math.sqrt(q * c0 * work), q * mb_full)
+
+
+def pipeline_capacity(work_room: float, pp: int, c0: float, mb_full: float = math.inf) -> float:
+    """Largest stage work W with W + pipeline_overhead(W) <= work_room."""
     if work_room <= 0:
         return 0.0
     if pp == 1:
         return work_room
     k = (pp - 1) * c0
-    return (math.sqrt(k + work_room) - math.sqrt(k)) ** 2
-
-
-def pipeline_overhead(work: float, pp: int, c0: float) -> float:
-    if pp == 1 or work <= 0:
-        return 0.0
-    return 2.0 * math.sqrt((pp - 1) * c0 * work)
+    w_sqrt = (math.sqrt(k + work_room) - math.sqrt(k)) ** 2
+    return max(w_sqrt, work_room - (pp - 1) * mb_full)
 
 
 # ---------------------------------------------------------------------------- placement
@@ -254,28 +262,28 @@ def pack_replica(
             cost = stage_cost if stage_cost is not None else None
             w = float(sum((cost[d] if cost is not None else co.b * s[d]) for d in short))
             tokens = float(sum(s[d] for d in short))
-            m_mem = math.ceil(tokens / cap) if cap > 0 else len(short)
+            m_mem = math.ceil(1.0 * tokens / cap) if cap > 0 else len(short)  # slack: bins rarely hit the cap
             m_opt = int(round(math.sqrt((tt.pp - 1) * w / co.c0))) if co.c0 > 0 else len(short)
             m = target_mbs if target_mbs else max(m_mem, m_opt, 1)
             m = max(1, min(m, len(short)))
-            load = [0.0] * m
-            tok = [0.0] * m
+            # longest processing time first into the least loaded bin with token room
             bins: list[list[int]] = [[] for _ in range(m)]
+            heap = [(0.0, i, 0.0) for i in range(m)]  # (load, bin, tokens)
             for d in sorted(short, key=lambda d: -s[d]):
                 x = float(s[d])
                 c = cost[d] if cost is not None else co.b * x + co.a * x * x
-                best = -1
-                for i in range(len(bins)):
-                    if tok[i] + x <= cap and (best < 0 or load[i] < load[best]):
-                        best = i
-                if best < 0:
+                aside = []
+                while heap and heap[0][2] + x > cap:
+                    aside.append(heapq.heappop(heap))
+                if heap:
+                    load, i, tok = heapq.heappop(heap)
+                else:
                     bins.append([])
-                    load.append(0.0)
-                    tok.append(0.0)
-                    best = len(bins) - 1
-                bins[best].append(d)
-                load[best] += c
-                tok[best] += x
+                    load, i, tok = 0.0, len(bins) - 1, 0.0
+                bins[i].append(d)
+                heapq.heappush(heap, (load + c, i, tok + x))
+                for item in aside:
+                    heapq.heappush(heap, item)
             for b in bins:
                 if b:
                     mbs.append((b, 0))
@@ -368,7 +376,8 @@ def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray
             pipe += cm.coeffs(lay, rs).mb_time(s2, t, n)
         peak = 0.0
     else:
-        order = sorted(range(len(mbs)), key=lambda i: -cm.coeffs(lay, mbs[i][1]).mb_time(*stats[i]))
+        cost = [cm.coeffs(lay, rs).mb_time(*st) for (_, rs), st in zip(mbs, stats)]
+        order = sorted(range(len(mbs)), key=cost.__getitem__, reverse=True)
         mbs = [mbs[i] for i in order]
         stats = [stats[i] for i in order]
         mbs, peak = fit_memory(cm, tt, np.asarray(s), mbs)

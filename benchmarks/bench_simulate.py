@@ -1,0 +1,69 @@
+"""The issue-7 acceptance matrix: every planner on the same batches, as dcp-simulate tables.
+
+Why it exists: the closing note of the planner issue reports these tables; this script
+reproduces them in one go and prints the measured ratios the acceptance asks about
+(speedups vs each baseline, gap to the lower bound, planning time). It asserts nothing
+(benchmarks print, tests assert).
+
+    python benchmarks/bench_simulate.py                 # full matrix (several minutes)
+    python benchmarks/bench_simulate.py --quick         # two settings, 4 iterations
+    python benchmarks/bench_simulate.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dcp_ext.cli.simulate import format_table, run  # noqa: E402
+
+DATA = os.environ.get("DCP_LENGTHS_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "lengths"))
+FILES = ["code_python_cl100k.txt", "mooncake_conversation_input_tokens.txt"]
+SETTINGS = [("llama2-7b", "h200x64"), ("llama2-7b", "h200x256"), ("llama2-13b", "h200x64"),
+            ("llama2-70b", "h200x64"), ("llama2-7b", "a800x64")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--data", default=DATA)
+    a = ap.parse_args()
+    settings = SETTINGS[:1] + SETTINGS[3:4] if a.quick else SETTINGS
+    iters = 4 if a.quick else a.iterations
+    out = []
+    for f in FILES:
+        path = os.path.join(a.data, f)
+        if not os.path.exists(path):
+            print(f"skipping {f}: not found under {a.data}", file=sys.stderr)
+            continue
+        for model, cluster in settings:
+            args = argparse.Namespace(
+                lengths=path, model=model, cluster=cluster, global_batch_tokens=4 * 2**20, max_seq_len=131072,
+                iterations=iters, start=0, profile=None, memory_margin=0.1, seed=0, quiet=True,
+                planners="adaptive,static,dynamic-cp,dcp,hydraulis", timeline=None, timeline_planner="adaptive",
+                timeline_iteration=0,
+            )
+            t0 = time.time()
+            res = run(args)
+            res["wall_s"] = time.time() - t0
+            out.append(res)
+            print(format_table(res))
+            pl = res["planners"]
+            ad = pl["adaptive"]["mean_s"]
+            ratios = ", ".join(f"{n} {pl[n]['mean_s'] / ad:.3f}x" for n in pl if n != "adaptive")
+            print(f"adaptive speedup over: {ratios}; min sim/bound over iterations "
+                  f"{min(p['min_ratio_to_bound'] for p in pl.values()):.4f}\n", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
