@@ -128,7 +128,7 @@ inline std::vector<Item> sorted_items(const int64_t* len, int64_t n) {
   std::vector<Item> out(n);
   if (n == 0) return out;
   int64_t mx = *std::max_element(len, len + n);
-  if (mx <= 4 * n + 65536) {
+  if (mx <= 2 * n + 1024) {
     std::vector<int64_t> start(mx + 2, 0);
     for (int64_t i = 0; i < n; ++i) ++start[mx - len[i] + 1];  // bucket mx-len: longest first
     for (int64_t k = 1; k <= mx + 1; ++k) start[k] += start[k - 1];

@@ -30,7 +30,7 @@ def auto_budget(n: int) -> int:
 
 def auto_starts(n: int) -> int:
     """Greedy starts of stage 1 (see ref_balance.START_QUANTILES): all for small inputs."""
-    if n <= 2000:
+    if n <= 1000:
         return 7
     if n <= 5000:
         return 3

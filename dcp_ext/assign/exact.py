@@ -18,7 +18,8 @@ lp_lower_bound: min z over FRACTIONAL assignments where replica r spends, per se
 cost_r(s) + mb_overhead_r * s / max_mb_tokens_r (its share of the unavoidable
 micro-batch overheads); with the largest single-sequence pipeline time
 min_r pp_r * (cost_r(s) + o_r) it bounds every plan's makespan from below. For identical
-replicas it is max(total cost / R, largest single cost).
+replicas it is max(total cost / R, largest single cost). Given a plan's makespan as
+`upper`, pipeline replicas also pay a valid linear share of their fill time.
 """
 from __future__ import annotations
 
@@ -340,8 +341,15 @@ def _start_vector(start, order, x, Ccol, Mcol, z, params, L, ncol):
     return v
 
 
-def lp_lower_bound(lengths, replicas: list[ReplicaCost]) -> float:
-    """Makespan lower bound for any plan (module docstring); exact LP via HiGHS."""
+def lp_lower_bound(lengths, replicas: list[ReplicaCost], upper: float | None = None) -> float:
+    """Makespan lower bound for any plan (module docstring); exact LP via HiGHS.
+
+    With `upper`, the makespan of any valid plan, pipeline replicas also get the chord of
+    their fill cost: a replica with pp > 1 doing work W (sequence costs) takes at least
+    g(W) = W + q*o + 2*sqrt(q*o*W) (v*o + q*W/v >= 2*sqrt(q*o*W)); g is concave with
+    g(0) >= 0, so on [0, upper] it lies above the chord W * g(upper) / upper, and no
+    replica of a plan better than `upper` does more work than upper.
+    """
     hs = _highspy()
     arr = check_lengths(lengths, allow_empty=False)
     params = check_replicas(replicas)
@@ -380,6 +388,20 @@ def lp_lower_bound(lengths, replicas: list[ReplicaCost]) -> float:
         starts.append(len(index))
         row_lo.append(0.0)
         row_hi.append(hs.kHighsInf)
+        p = params[r]
+        q, o = p[4] - 1, p[3]
+        if upper is not None and upper > 0.0 and q > 0:
+            slope = (upper + q * o + 2.0 * (q * o * upper) ** 0.5) / upper
+            index.append(0)
+            value.append(1.0)
+            for u, cols in zip(uniq.tolist(), xcols):
+                for rr, j, _ in cols:
+                    if rr == r:
+                        index.append(j)
+                        value.append(-slope * seq_cost(p, u))
+            starts.append(len(index))
+            row_lo.append(0.0)
+            row_hi.append(hs.kHighsInf)
     lp = hs.HighsLp()
     lp.num_col_ = len(col_lo)
     lp.num_row_ = len(row_lo)
@@ -397,4 +419,5 @@ def lp_lower_bound(lengths, replicas: list[ReplicaCost]) -> float:
     h.passModel(lp)
     h.run()
     frac = float(h.getInfo().objective_function_value)
-    return max(frac, single)
+    out = max(frac, single)
+    return out if upper is None else min(out, upper)

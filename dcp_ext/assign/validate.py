@@ -69,10 +69,28 @@ def check_replica(rc: ReplicaCost, j: int = 0, name: str = "replica") -> tuple:
     return rc.as_tuple()
 
 
+_VALID: dict = {}  # ReplicaCost -> its checked tuple (the planner passes the same few every iteration)
+
+
 def check_replicas(replicas: Sequence[ReplicaCost]) -> list[tuple]:
     if replicas is None or len(replicas) == 0:
         raise ValueError("no replicas given")
-    return [check_replica(rc, j) for j, rc in enumerate(replicas)]
+    out = []
+    for j, rc in enumerate(replicas):
+        try:
+            p = _VALID.get(rc) if type(rc) is ReplicaCost else None
+        except TypeError:  # an unhashable field: validate (and fail) below
+            p = None
+        if p is None:
+            p = check_replica(rc, j)
+            if len(_VALID) > 4096:
+                _VALID.clear()
+            try:
+                _VALID[rc] = p
+            except TypeError:
+                pass
+        out.append(p)
+    return out
 
 
 def check_fits(lengths: np.ndarray, params: list[tuple]) -> None:
