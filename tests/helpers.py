@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,7 +65,22 @@ def launch(flags: list[str], nproc: int = 1, env: dict | None = None, timeout: i
         cmd = [sys.executable, ENTRY]
     full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
-    return subprocess.run(cmd + flags, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    # Output goes to files, not pipes, and the whole process group is killed afterwards:
+    # dist-checkpointing starts a multiprocessing manager per rank that outlives a rank
+    # killed mid-save and would otherwise hold a pipe open forever.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd + flags, cwd=REPO, env=full_env, stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
 
 
 def read_loss_log(path: str) -> list[dict]:

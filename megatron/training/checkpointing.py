@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dcp_ext import mcore_compat
 from megatron.training.initialize import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -137,6 +138,10 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
+# Optimizer state in model space (one tensor per parameter), so it reshards across TP/PP/DP.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
     model_sd = unwrap(model).sharded_state_dict()
     state = {
@@ -146,7 +151,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         "consumed_train_samples": consumed_samples,
         "layout": _layout_signature(args),
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": _rng_sharded_object(),
     }
@@ -182,7 +187,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     request = {"model": model_sd}
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim:
-        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        mcore_compat.prepare_optimizer_for_load(optimizer)
+        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
     load_rng = not (args.no_load_rng or args.finetune) and same_layout
     if load_rng:
         request["rng_state"] = _rng_sharded_object()
@@ -190,6 +196,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     unwrap(model).load_state_dict(state["model"], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
+        mcore_compat.finish_optimizer_load(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if load_rng:
         set_rng_state(state["rng_state"])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp_ext import cpu_compat
+from dcp_ext import cpu_compat, mcore_compat
 
 
 def _free_port() -> int:
@@ -27,6 +27,7 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
     if dist.is_initialized():
         return
     cpu_compat.install()
+    mcore_compat.install()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "RANK" not in os.environ:  # plain `python`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")

@@ -1,0 +1,62 @@
+"""Quirks of the installed megatron-core version that are not about the CPU, in one place.
+
+Each function names the version behaviour it works around, so an upgrade can delete it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def prepare_optimizer_for_load(optimizer) -> None:
+    """megatron-core 0.16 `DistributedOptimizer.state_dict()` asserts that every param has
+    a 'step' when neither apex nor TE is installed (torch Adam), which a freshly built
+    optimizer lacks; building the loading sharded_state_dict calls it before it fills the
+    dummy state itself. Fill the dummy state first (the load overwrites it)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init_dummy is not None:
+            init_dummy()
+
+
+def finish_optimizer_load(optimizer) -> None:
+    """megatron-core 0.16 `DistributedOptimizer.load_state_dict` without apex/TE gives every
+    parameter's Adam state the SAME 'step' tensor; torch Adam then increments it once per
+    parameter per step, so bias correction drifts after a resume. Give each its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if "step" in state and isinstance(state["step"], torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+_installed = False
+
+
+def install() -> None:
+    """Apply the patches below once (each only changes calls that would otherwise raise)."""
+    global _installed
+    if _installed:
+        return
+    _patch_fully_reshardable_optimizer_load()
+    _installed = True
+
+
+def _patch_fully_reshardable_optimizer_load() -> None:
+    """megatron-core 0.16, torch Adam (no apex/TE): a 'fully_reshardable' optimizer checkpoint
+    stores param/exp_avg/exp_avg_sq per parameter, while torch Adam also keeps a per-param
+    'step' (restored separately from param_groups). `_set_main_param_and_optimizer_states`
+    copies every key of the live state and raises KeyError on 'step'. Keep the live value
+    for keys the checkpoint does not carry."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            live = self.optimizer.state.get(main_param, {})
+            tensors = {**{k: v for k, v in live.items() if k not in tensors}, **tensors}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
