@@ -42,6 +42,7 @@ setup(
         "numpy",
         "pyyaml",
         "pybind11>=2.12",
+        "filelock",
     ],
     extras_require={
         # apex has no wheel on PyPI: build it from source (see README) if you want its fused kernels.
@@ -53,6 +54,8 @@ setup(
             "dcp-plan=dcp_ext.cli.plan:main",
             "dcp-simulate=dcp_ext.cli.simulate:main",
             "dcp-profile=dcp_ext.cli.profile:main",
+            "dcp-preprocess-data=dcp_ext.data.preprocess:main",
+            "dcp-dataset-stats=dcp_ext.data.stats_report:main",
         ]
     },
     ext_modules=ext_modules,
