@@ -38,7 +38,7 @@ from bisect import bisect_left, insort
 from .model import estimate, seq_cost
 from .rng import SplitMix64
 
-PERTURB = 0.3
+PERTURB = 0.3  # pack restarts order by length * (1 + PERTURB * u)
 REL_TOL = 1e-12
 KICK_MIN, KICK_SPREAD = 2, 3  # restart k kicks with KICK_MIN + k % KICK_SPREAD random moves
 # Greedy start k caps the sequences pipeline replicas take at this length quantile (1.0: no cap).

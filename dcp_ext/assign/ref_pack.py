@@ -27,7 +27,7 @@ import math
 from bisect import bisect_left, insort
 
 from .model import seq_cost
-from .ref_balance import PERTURB, REL_TOL, _crossing, first_at_most, sorted_order
+from .ref_balance import REL_TOL, _crossing, first_at_most, perturbed_order, sorted_order
 from .rng import SplitMix64
 
 GOOD_ENOUGH = 1e-4  # stop improving once (pp-1) * (largest - its lower bound) < this * LB(v)
@@ -264,9 +264,7 @@ def pack(lengths: list[int], p: tuple, seed: int, restarts: int, budget: int) ->
     if restarts > 0:
         rng = SplitMix64(seed)
         for _ in range(restarts):
-            keys = [lengths[i] * (1.0 + PERTURB * rng.next_double()) for i in range(n)]
-            ordr = sorted(range(n), key=lambda i: (-keys[i], i))
-            b = attempt(best_v, ordr)
+            b = attempt(best_v, perturbed_order(lengths, rng))
             if b is not None:
                 t = bins_time(b, o, q)
                 if t < best_t:
