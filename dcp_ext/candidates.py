@@ -217,7 +217,8 @@ def _bins(prep: BatchPrep, ref: TypeOnBatch, singles: int = 16, groups: int = 48
     return np.unique(np.asarray(b, dtype=np.int64))
 
 
-def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float, rel_tol: float = 5e-3) -> tuple[Counts, float]:
+def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float, rel_tol: float = 5e-3,
+              num_replicas: int | None = None) -> tuple[Counts, float]:
     """The layout (counts per type) this batch wants, by bisection on the iteration time
     with a DP over types (in order) and contiguous document ranges (bins)."""
     order = _type_order(prep, layouts)
@@ -235,7 +236,7 @@ def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
         choices = []
         for lay in reversed(order):
             t = prep.types[lay]
-            sync = prep.sync(lay, None)
+            sync = prep.sync(lay, num_replicas)
             w = pipeline_capacity(T - sync, lay.pp, t.c0, t.tt.mb_full)
             cumB = t.cum[B]
             start = B[:-1]
@@ -374,6 +375,11 @@ def build_pool(
     jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables)))]
     for k, (prep, lb) in enumerate(jobs):
         counts, _ = dp_layout(prep, types, world, lb)
+        # again with the sync of as many replicas as that layout has (each device also
+        # sends its shard to every replica)
+        counts2, _ = dp_layout(prep, types, world, lb, num_replicas=sum(c for _, c in counts))
+        if screen(prep, counts2)[0] < screen(prep, counts)[0]:
+            counts = counts2
         counts = fill_leftover(prep, counts, types, world)
         if counts not in found:
             found.append(counts)

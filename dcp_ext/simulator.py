@@ -20,6 +20,7 @@ runs it fastest. Each dropped term is >= 0 in the simulated time, hence a true b
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -36,6 +37,60 @@ class PipelineResult:
     makespan: float
     # (stage, micro-batch, kind 'F'/'B', start, end) for timelines
     events: list[tuple[int, int, str, float, float]] = field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(m: int, pp: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A dependency-respecting global order of the 1F1B ops for m micro-batches on pp
+    stages, as parallel tuples (stage, micro-batch, is_backward, dependency slot); slots
+    are positions in this order, -1 means no dependency."""
+    orders = []
+    for j in range(pp):
+        w = min(pp - 1 - j, m)
+        seq = [i for i in range(w)]  # forwards as i, backwards as ~i
+        nf, nb = w, 0
+        while nf < m:
+            seq.append(nf)
+            seq.append(~nb)
+            nf += 1
+            nb += 1
+        while nb < m:
+            seq.append(~nb)
+            nb += 1
+        orders.append(seq)
+    slot_f = [[-1] * m for _ in range(pp)]
+    slot_b = [[-1] * m for _ in range(pp)]
+    st, mb, kd, dp = [], [], [], []
+    ptr = [0] * pp
+    lens = [len(o) for o in orders]
+    remaining = sum(lens)
+    last = pp - 1
+    while remaining:
+        progressed = False
+        for j in range(pp):
+            seq, p, sf, sb = orders[j], ptr[j], slot_f[j], slot_b[j]
+            while p < lens[j]:
+                x = seq[p]
+                if x >= 0:
+                    dep = slot_f[j - 1][x] if j else -1
+                    if j and dep < 0:
+                        break
+                    sf[x] = len(st)
+                    st.append(j), mb.append(x), kd.append(0), dp.append(dep)
+                else:
+                    i = ~x
+                    dep = sf[i] if j == last else slot_b[j + 1][i]
+                    if dep < 0:
+                        break
+                    sb[i] = len(st)
+                    st.append(j), mb.append(i), kd.append(1), dp.append(dep)
+                p += 1
+                remaining -= 1
+                progressed = True
+            ptr[j] = p
+        if not progressed:  # pragma: no cover - the schedule is acyclic
+            raise RuntimeError("1F1B schedule deadlocked")
+    return tuple(st), tuple(mb), tuple(kd), tuple(dp)
 
 
 def one_f_one_b(fwd: Sequence[float], bwd: Sequence[float], pp: int, record: bool = False) -> PipelineResult:
@@ -57,53 +112,20 @@ def one_f_one_b(fwd: Sequence[float], bwd: Sequence[float], pp: int, record: boo
                 ev.append((0, i, "B", t + fwd[i], t + fwd[i] + bwd[i]))
             t += fwd[i] + bwd[i]
         return PipelineResult(t, ev)
-    orders = []
-    for j in range(pp):
-        w = min(pp - 1 - j, m)
-        seq = [("F", i) for i in range(w)]
-        nf, nb = w, 0
-        while nf < m:
-            seq.append(("F", nf))
-            nf += 1
-            seq.append(("B", nb))
-            nb += 1
-        while nb < m:
-            seq.append(("B", nb))
-            nb += 1
-        orders.append(seq)
-    f_end = [[-1.0] * m for _ in range(pp)]
-    b_end = [[-1.0] * m for _ in range(pp)]
-    ptr = [0] * pp
+    st, mb, kd, dp = _schedule(m, pp)
+    end = [0.0] * len(st)
     clock = [0.0] * pp
     events = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for j in range(pp):
-            while ptr[j] < len(orders[j]):
-                kind, i = orders[j][ptr[j]]
-                if kind == "F":
-                    dep = 0.0 if j == 0 else f_end[j - 1][i]
-                    if dep < 0:
-                        break
-                    start = max(clock[j], dep)
-                    end = start + fwd[i]
-                    f_end[j][i] = end
-                else:
-                    dep = f_end[j][i] if j == pp - 1 else b_end[j + 1][i]
-                    if dep < 0:
-                        break
-                    start = max(clock[j], dep)
-                    end = start + bwd[i]
-                    b_end[j][i] = end
-                clock[j] = end
-                if record:
-                    events.append((j, i, kind, start, end))
-                ptr[j] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the schedule is acyclic
-            raise RuntimeError("1F1B simulation deadlocked")
+    for k in range(len(st)):
+        j, i, dep = st[k], mb[k], dp[k]
+        start = clock[j]
+        if dep >= 0 and end[dep] > start:
+            start = end[dep]
+        e = start + (bwd[i] if kd[k] else fwd[i])
+        end[k] = e
+        clock[j] = e
+        if record:
+            events.append((j, i, "B" if kd[k] else "F", start, e))
     return PipelineResult(max(clock), events)
 
 

@@ -140,3 +140,23 @@ def test_no_planner_beats_the_bound(demo_planners, lengths):
         it = p.plan_iteration(0, list(range(len(lengths))), lengths)
         res = simulate_iteration(cm, it, dict(enumerate(lengths)))
         assert res.time_s >= lb * (1 - 1e-9), name
+
+
+def test_assign_engine_never_hurts():
+    """engine='auto' adds dcp_ext.assign's C++ stage 1+2 on the leading candidate and keeps
+    the cheaper plan: never slower than the Python engine alone on the same batch."""
+    import dcp_ext.assign as A
+
+    if not A.cpp_available():
+        pytest.skip("dcp_ext.assign C++ kernels not built")
+    model, cluster = ModelSpec.from_preset("llama2-7b"), ClusterSpec.from_preset("h200x64")
+    lengths = _lengths(os.path.join(DATA, "mooncake_conversation_input_tokens.txt"), 131072)
+    batches = global_batches(lengths.tolist(), 4 * 2**20, 131072, count=3)
+    kw = dict(max_seq_len=131072, global_batch_tokens=4 * 2**20, length_sample=lengths, sample_count=4)
+    py = make_planner("adaptive", model, cluster, engine="python", **kw)
+    auto = make_planner("adaptive", model, cluster, engine="auto", **kw)
+    for i, ids in enumerate(batches):
+        a = auto.plan_iteration(2 * i, ids, lengths[ids].tolist())  # not consecutive: no switching state
+        p = py.plan_iteration(2 * i, ids, lengths[ids].tolist())
+        validate_iteration(a, 64, model.num_layers, model.num_attention_heads, model.num_query_groups)
+        assert a.predicted_time_s <= p.predicted_time_s * (1 + 1e-12)

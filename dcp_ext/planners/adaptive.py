@@ -71,6 +71,8 @@ class AdaptivePlanner(PlannerBase):
         switch_cost_s: float = 0.0,
         max_moves: int | None = None,
         screen_slack: float = 0.01,
+        engine: str = "auto",
+        move_targets: int = 3,
         layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
     ):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
@@ -79,6 +81,18 @@ class AdaptivePlanner(PlannerBase):
         self.switch_margin = switch_margin
         self.switch_cost_s = switch_cost_s
         self.screen_slack = screen_slack
+        self.move_targets = move_targets
+        if engine not in ("auto", "python", "assign"):
+            raise ValueError(f"engine must be auto, python or assign, not {engine!r}")
+        self._use_assign = False
+        if engine != "python":
+            try:
+                import dcp_ext.assign as _assign
+
+                self._use_assign = engine == "assign" or _assign.cpp_available()
+            except ImportError:
+                if engine == "assign":
+                    raise
         self.max_moves = max_moves
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
         if not allowed:
@@ -140,7 +154,8 @@ class AdaptivePlanner(PlannerBase):
         if self._current is not None:
             cur_i = self.pool.layouts.index(self._current)
             if cur_i not in pick and est[cur_i][0] <= t0 * (1 + self.switch_margin + self.screen_slack):
-                pick.append(cur_i)
+                # staying is plausible: the current layout takes the last slot
+                pick = pick[: max(1, self.top_k - 1)] + [cur_i]
         if not pick:
             raise PlanningError(f"no candidate layout can run this batch (longest sequence {longest} tokens)")
         plans = {}
@@ -148,6 +163,15 @@ class AdaptivePlanner(PlannerBase):
             t_est, c, order, bounds = est[i]
             reps = self._full_plan(prep, c, order, bounds)
             plans[i] = (max(r.time_s for r in reps), reps)
+        if self._use_assign:
+            # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
+            # prices lower stays
+            i = min(plans, key=lambda i: (plans[i][0], i))
+            alt = self._assign_plan(prep, est[i][1], est[i][0])
+            if alt is not None:
+                t_alt = max(r.time_s for r in alt)
+                if t_alt < plans[i][0]:
+                    plans[i] = (t_alt, alt)
         # the fastest; within 0.2% of it, the one with more (smaller) replicas
         t_min = min(p[0] for p in plans.values())
         nrep = lambda i: sum(c for _, c in self.pool.layouts[i])  # noqa: E731
@@ -239,7 +263,7 @@ class AdaptivePlanner(PlannerBase):
                 big[best_k] = c
             heapq.heapreplace(heaps[best_j], (best_t, best_k))
         # stage 1b: move documents from the most to the least loaded replica
-        self._rebalance(docs, work, tob, est)
+        self._rebalance(docs, work, tob, est, sync)
         self._debug_est[counts] = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
         # stage 2: pack, choose recompute, price exactly
         out = []
@@ -251,6 +275,36 @@ class AdaptivePlanner(PlannerBase):
         for k, (lay, ranks) in enumerate(placement):
             orig = [order_l[p] for p in docs[k]]
             mbs = pack_replica(self.cm, self.pool_tables[lay], sl, orig, stage_cost=self._cost_by_position(prep, lay))
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
+        return out
+
+    def _assign_plan(self, prep: BatchPrep, counts: Counts, t_est: float) -> list[PackedReplica] | None:
+        """Stage 1 + 2 by dcp_ext.assign.plan_replicas. Its cost model has no per-replica
+        constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
+        scaled times then mean equal finish times with sync), and micro-batches are capped
+        at the no-recompute token cap (a batch with a document longer than every cap is
+        left to the Python engine)."""
+        import dcp_ext.assign as A
+
+        placement = self.placements[counts]
+        R = len(placement)
+        rcs = []
+        for lay, _ in placement:
+            tt = self.pool_tables[lay]
+            co = self.cm.coeffs(lay, 0)
+            sync = prep.sync(lay, R)
+            k = t_est / max(t_est - sync, 1e-9 * t_est)
+            cap = int(tt.cap_mb)
+            if cap < 1:
+                return None
+            rcs.append(A.ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, cap, cap))
+        if prep.n and int(prep.s.max()) > max(r.max_seq_len for r in rcs):
+            return None
+        res = A.plan_replicas(prep.s, rcs, seed=self.seed)
+        sl = prep.__dict__.get("_s_list") or prep.s.tolist()
+        out = []
+        for k, (lay, ranks) in enumerate(placement):
+            mbs = [([int(d) for d in mb], 0) for mb in res.micro_batches[k] if len(mb)]
             out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
         return out
 
@@ -269,9 +323,19 @@ class AdaptivePlanner(PlannerBase):
             return 0.0
         return max(t.cost[p] for p in ds)
 
-    def _rebalance(self, docs, work, tob, est) -> None:
+    @staticmethod
+    def _est_arr(t, sync: float, w, bg):
+        """Vectorised `est` of one replica (layout table t) for arrays of work and bubble."""
+        if t.tt.pp == 1:
+            return sync + w
+        q = t.tt.pp - 1
+        with np.errstate(invalid="ignore"):
+            over = np.minimum(2.0 * np.sqrt(q * t.c0 * np.maximum(w, 0.0)), q * t.tt.mb_full)
+        return sync + w + np.maximum(over, q * bg)
+
+    def _rebalance(self, docs, work, tob, est, sync) -> None:
         """Move single documents off the replica with the latest estimated finish onto one
-        of the three earliest, while that lowers the later of the two."""
+        of the earliest ones, while that lowers the later of the two; then swaps."""
         R = len(docs)
         if R < 2:
             return
@@ -285,28 +349,32 @@ class AdaptivePlanner(PlannerBase):
         for _ in range(limit):
             hi = max(range(R), key=lambda k: (times[k], -k))
             t_hi = times[hi]
-            pp_hi = tob[hi].tt.pp
-            if pp_hi > 1:
-                tops = sorted((tob[hi].cost[p] for p in docs[hi]), reverse=True)[:2] + [0.0, 0.0]
+            if not docs[hi]:
+                break
+            th = tob[hi]
+            dh = np.asarray(docs[hi])
+            ch = th.cost[dh]
+            if th.tt.pp > 1:
+                order = np.sort(ch)[::-1]
+                top0 = order[0]
+                top1 = order[1] if len(order) > 1 else 0.0
+                big_after = np.where(ch >= top0, top1, top0)
+            else:
+                big_after = 0.0
+            a = self._est_arr(th, sync[hi], work[hi] - ch, big_after)
             best = None  # (new max of the pair, doc index in hi, target)
-            targets = sorted(range(R), key=lambda k: times[k])[:3]
-            c_hi = tob[hi].cost
-            for lo in targets:
+            for lo in sorted(range(R), key=lambda k: times[k])[: self.move_targets]:
                 if lo == hi or t_hi - times[lo] <= 1e-9 * t_hi:
                     continue
-                c_lo = tob[lo].cost
-                pp_lo = tob[lo].tt.pp
-                for j, p in enumerate(docs[hi]):
-                    c_new = c_lo[p]
-                    if not math.isfinite(c_new):
-                        continue
-                    ch = c_hi[p]
-                    big_hi = (tops[1] if ch >= tops[0] else tops[0]) if pp_hi > 1 else 0.0
-                    a = est(hi, work[hi] - ch, big_hi)
-                    b = est(lo, work[lo] + c_new, max(big[lo], c_new) if pp_lo > 1 else 0.0)
-                    m = a if a > b else b
-                    if m < t_hi - 1e-12 and (best is None or m < best[0]):
-                        best = (m, j, lo)
+                tl = tob[lo]
+                cn = tl.cost[dh]
+                bl = np.maximum(big[lo], cn) if tl.tt.pp > 1 else 0.0
+                with np.errstate(invalid="ignore"):
+                    m = np.maximum(a, self._est_arr(tl, sync[lo], work[lo] + cn, bl))
+                m = np.where(np.isfinite(cn), m, np.inf)
+                j = int(np.argmin(m))
+                if m[j] < t_hi - 1e-12 and (best is None or m[j] < best[0]):
+                    best = (float(m[j]), j, lo)
             if best is None:
                 # a swap only when the spread is worth it
                 if t_hi - min(times) <= 2e-3 * t_hi or swaps >= R:
@@ -317,7 +385,7 @@ class AdaptivePlanner(PlannerBase):
                 continue
             _, j, lo = best
             p = docs[hi].pop(j)
-            work[hi] -= c_hi[p]
+            work[hi] -= th.cost[p]
             docs[lo].append(p)
             work[lo] += tob[lo].cost[p]
             big[hi] = self._big(tob[hi], docs[hi])
@@ -330,8 +398,8 @@ class AdaptivePlanner(PlannerBase):
         replica (of the same layout, or one of the three earliest overall) if that lowers
         the later of the two. Returns whether a swap was made."""
         t_hi = times[hi]
-        same = sorted(by_layout[tob[hi].tt.layout], key=lambda k: times[k])[:3]
-        overall = sorted(range(len(docs)), key=lambda k: times[k])[:3]
+        same = sorted(by_layout[tob[hi].tt.layout], key=lambda k: times[k])[: self.move_targets]
+        overall = sorted(range(len(docs)), key=lambda k: times[k])[: self.move_targets]
         best = None
         c_hi = tob[hi].cost
         def est_vec(k, w, bg):

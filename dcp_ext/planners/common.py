@@ -273,9 +273,9 @@ def pack_replica(
                 x = float(s[d])
                 c = cost[d] if cost is not None else co.b * x + co.a * x * x
                 aside = []
-                while heap and heap[0][2] + x > cap:
+                while heap and heap[0][2] + x > cap and len(aside) < 8:
                     aside.append(heapq.heappop(heap))
-                if heap:
+                if heap and heap[0][2] + x <= cap:
                     load, i, tok = heapq.heappop(heap)
                 else:
                     bins.append([])
