@@ -5,12 +5,15 @@ need process groups for every possible layout. Like Hydraulis, we decide once pe
 from the dataset's length histogram, which heterogeneous layouts are worth having; each
 iteration then only picks among them (`dcp_ext.planners.adaptive`).
 
-How: (1) keep the replica types that are Pareto-optimal somewhere on the length range in
-(device-seconds per document, time of the document alone); (2) for batches drawn from
-the histogram, a dynamic program over those types (longest documents to the fastest
-types, contiguous length ranges, bisection on the iteration time) gives the layout that
-batch wants; (3) from those layouts, a greedy cover keeps the few that together serve
-all sample batches best, plus one that can hold a max-length sequence.
+How: (1) for batches drawn from the histogram (typical ones, plus batches of only its
+short half and only its long tail), a dynamic program over every replica type the
+cluster allows (longest documents to the types that finish them fastest, contiguous
+length ranges of documents per type, bisection on the iteration time; run twice so the
+parameter sync matches the replica count found) gives the layout each batch wants;
+(2) from those layouts a greedy cover keeps the few that together serve the sample
+batches best (relative to each batch's lower bound), plus any that is the best for some
+batch, plus one that can hold a max-length sequence. (`prune_types` can first thin the
+types to the Pareto-optimal ones for large clusters.)
 
 The water-filling estimate (`screen`) is also what the per-iteration planner uses to rank
 the pool quickly before planning the best candidates in full.

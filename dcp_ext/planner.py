@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dcp_ext.cost_model import Layout
 from dcp_ext.planners.adaptive import AdaptivePlanner
 from dcp_ext.planners.base import PlannerBase, ReplicaType
 from dcp_ext.planners.common import PlanningError, make_type_table

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 

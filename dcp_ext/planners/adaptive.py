@@ -6,15 +6,23 @@ returns the plan the runtime executes.
 Per iteration:
   1. rank the candidate layouts (`dcp_ext.candidates`, built once per run) with the
      water-filling estimate: longest documents to the types that finish them fastest;
-  2. plan the best few in full: stage 1 assigns documents to replicas (the estimate's
-     length ranges per type, longest-processing-time-first inside a type, then moves
-     between the most and least loaded replicas), stage 2 packs each replica's share into
-     micro-batches (first-fit-decreasing under the no-recompute token cap; a document
-     longer than that runs alone with the fewest recomputed layers that hold it: DCP-intra;
-     the number of micro-batches follows from the packing: DCP-inter; pipelines get as
-     many as balance bubble against per-micro-batch cost);
-  3. price each full plan exactly (1F1B simulation + sync) and keep the best; the layout
-     changes only when the gain beats the switching cost plus a margin.
+  2. plan the best ones in full (those within the estimate's accuracy of the best, and
+     the current layout when staying on it is plausible). Stage 1: earliest finish time,
+     longest document first, each document allowed on the type whose length range (from
+     the estimate) holds it or on a more capable one; then single moves and pairwise swaps
+     between the latest and the earliest replicas. Stage 2: each replica's share packed
+     into micro-batches (first-fit-decreasing under the no-recompute token cap; a document
+     longer than that runs alone with the fewest recomputed layers that hold it, which is
+     DCP-intra; the number of micro-batches follows from the packing, DCP-inter; pipelines
+     get as many as balance bubble against per-micro-batch cost, and every 1F1B window fits
+     memory). dcp_ext.assign's C++ stage 1 + 2 also plans the leading candidate when its
+     kernels are built; the cheaper plan stays;
+  3. price each full plan exactly (1F1B simulation + sync, the simulator's own numbers) and
+     keep the best (within 0.2%, the one with more, smaller replicas); the layout changes
+     only when the gain beats the switching cost plus a margin.
+
+State: the current layout (for the switching rule) is the only state; calling with an
+index that does not follow the previous one forgets it. Same calls, same plans.
 
 The Hydraulis baseline is this planner restricted to cp == 1 and no recompute choice.
 """
@@ -27,7 +35,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dcp_ext.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
-from dcp_ext.planners.common import parse_layout
 from dcp_ext.cost_model import Layout
 from dcp_ext.plan import IterationPlan
 from dcp_ext.planners.base import PlannerBase
@@ -37,11 +44,12 @@ from dcp_ext.planners.common import (
     describe,
     expand,
     finish_replica,
+    extreme_batches,
     make_type_table,
     pack_replica,
+    parse_layout,
     pipeline_overhead,
     place,
-    extreme_batches,
     sample_batches,
     to_iteration_plan,
 )
@@ -122,7 +130,6 @@ class AdaptivePlanner(PlannerBase):
         self._current: Counts | None = None
         self._last_index: int | None = None
         self.last_choice: dict = {}
-        self._debug_est: dict = {}
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
@@ -264,7 +271,6 @@ class AdaptivePlanner(PlannerBase):
             heapq.heapreplace(heaps[best_j], (best_t, best_k))
         # stage 1b: move documents from the most to the least loaded replica
         self._rebalance(docs, work, tob, est, sync)
-        self._debug_est[counts] = [est(k, work[k], self._big(tob[k], docs[k])) for k in range(R)]
         # stage 2: pack, choose recompute, price exactly
         out = []
         sl = prep.__dict__.get("_s_list")
