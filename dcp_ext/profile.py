@@ -344,6 +344,34 @@ def split_holdout(records: Sequence[ProfileRecord], every: int = 4) -> tuple[lis
     return fit, held
 
 
+def profile_grid(cost_model, max_len: int, layouts=None, recompute=("none", "full"), points: int = 8,
+                 docs_per_pack=(1, 2, 4), min_len: int = 32) -> list[dict]:
+    """What dcp-profile should time: for each layout (default: every valid layout of the
+    cost model's cluster) and recompute setting, packs of 1, 2 and 4 equal documents
+    whose total spans `min_len`..`max_len` geometrically. Returns dicts with tp, cp, pp,
+    recompute_layers and lengths, ready to become ProfileRecords once timed. Distinct
+    totals per strategy let `split_holdout` keep lengths out of the fit."""
+    from dcp_ext.cost_model import Layout
+
+    lays = [Layout(*l) for l in layouts] if layouts is not None else cost_model.all_layouts()
+    totals = sorted({int(round(x)) for x in np.geomspace(min_len, max_len, points)})
+    out = []
+    for lay in lays:
+        L = cost_model.model.num_layers
+        for rc in recompute:
+            r = 0 if rc == "none" else L
+            for total in totals:
+                for k in docs_per_pack:
+                    if total // k < 1:
+                        continue
+                    lens = [total // k] * k
+                    # documents are padded to a multiple of 2*cp by the runtime
+                    if min(lens) < 2 * lay.cp:
+                        continue
+                    out.append({"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "recompute_layers": r, "lengths": lens})
+    return out
+
+
 def load_profile(path_or_profile) -> Profile | None:
     if path_or_profile is None or isinstance(path_or_profile, Profile):
         return path_or_profile

@@ -96,3 +96,19 @@ def test_layer_extrapolation():
 def test_bad_records_rejected():
     with pytest.raises(ValueError):
         fit_profile([ProfileRecord(1, 1, 1, 0, [], 1.0)])
+
+
+def test_profile_grid_covers_layouts_and_holds_out_lengths():
+    from dcp_ext.profile import profile_grid
+
+    model, cluster = ModelSpec.from_preset("demo"), ClusterSpec.cpu_gloo(4)
+    cm = CostModel(model, cluster)
+    grid = profile_grid(cm, 2048, layouts=[(1, 1, 1), (2, 1, 1), (1, 2, 1)], points=6)
+    assert {(g["tp"], g["cp"], g["pp"]) for g in grid} == {(1, 1, 1), (2, 1, 1), (1, 2, 1)}
+    assert {g["recompute_layers"] for g in grid} == {0, model.num_layers}
+    # time it with the analytic model as a stand-in for the machine, then hold out
+    recs = [ProfileRecord(**g, seconds=cm.mb_replica_time(g["lengths"], Layout(g["tp"], g["cp"], g["pp"]),
+                                                          cm.stage_recompute(Layout(g["tp"], g["cp"], g["pp"]), g["recompute_layers"])))
+            for g in grid]
+    fit, held = split_holdout(recs)
+    assert held and evaluate_profile(fit_profile(fit), held) < 2.0  # analytic = quadratic + CP excess
