@@ -60,3 +60,13 @@ def _patch_fully_reshardable_optimizer_load() -> None:
         return original(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def ensure_global_memory_buffer() -> None:
+    """Sequence-parallel linears take scratch space from megatron-core's one global memory
+    buffer, which only `initialize_model_parallel` creates; the adaptive runtime never
+    calls it (no global layout), so create the buffer alone. It holds no layout state."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()

@@ -1,0 +1,171 @@
+"""Run one replica's micro-batches: packed THD documents, CP chunks, 1F1B over its stages.
+
+Every shape is known from the plan (token counts per micro-batch), so stages exchange
+activations with plain point-to-point ops and no shape handshakes. The loss of every
+micro-batch is its token-loss sum times `loss_scale` (1 / the global batch's loss-token
+count), so gradients do not depend on how documents were split (DESIGN.md, "Loss").
+Recompute is chosen per micro-batch by setting the stage config's full-recompute layer
+count before its forward (megatron-core reads it at forward time).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dcp_ext.context_parallel import cp_token_indices
+
+
+@dataclass
+class LocalMicroBatch:
+    tokens: torch.Tensor  # [1, t_local]
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: object
+    hidden_shape: tuple[int, int, int]  # activations between stages: [s, 1, h]
+    recompute_layers: int
+
+
+def localize(batch, cp: int, cp_rank: int, tp: int, sequence_parallel: bool, hidden: int,
+             recompute_layers: int, device=None) -> LocalMicroBatch:
+    """This CP rank's load-balanced share of a packed micro-batch (global cu_seqlens kept)."""
+    padded = torch.diff(batch.cu_seqlens_padded).tolist()
+    idx = cp_token_indices(padded, cp, cp_rank)
+    t_local = idx.numel()
+    seq = t_local // tp if sequence_parallel else t_local
+    psp = batch.packed_seq_params()
+    take = lambda x: x[idx].unsqueeze(0).to(device) if device is not None else x[idx].unsqueeze(0)
+    if device is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            setattr(psp, name, getattr(psp, name).to(device))
+    return LocalMicroBatch(take(batch.tokens), take(batch.labels), take(batch.loss_mask), take(batch.position_ids),
+                           psp, (seq, 1, hidden), recompute_layers)
+
+
+def set_recompute(config, layers_in_stage: int, layers: int) -> None:
+    if layers <= 0:
+        config.recompute_granularity = None
+        config.recompute_method = None
+        config.recompute_num_layers = None
+    else:
+        config.recompute_granularity = "full"
+        config.recompute_method = "block"
+        config.recompute_num_layers = min(layers, layers_in_stage)
+
+
+class StageRunner:
+    """One rank's stage of one replica."""
+
+    def __init__(self, model, config, rep, rank: int, num_layers: int):
+        self.model = model
+        self.config = config
+        self.rep = rep
+        self.tp_rank, self.cp_rank, self.pp_rank = rep.coords(rank)
+        self.first = self.pp_rank == 0
+        self.last = self.pp_rank == rep.pp - 1
+        self.layers_in_stage = num_layers // rep.pp
+        self.prev = None if self.first else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank - 1)
+        self.next = None if self.last else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank + 1)
+        self.dtype = config.pipeline_dtype or torch.float32
+
+    def _forward(self, mb: LocalMicroBatch, x):
+        # the plan's recompute count is for the whole model: this stage's share
+        set_recompute(self.config, self.layers_in_stage,
+                      -(-mb.recompute_layers * self.layers_in_stage // max(self.config.num_layers, 1)))
+        if not self.first:
+            self.model.set_input_tensor(x)
+        out = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
+                         packed_seq_params=mb.packed_seq_params)
+        return out
+
+    def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float) -> tuple[float, float]:
+        """Forward and backward every micro-batch (1F1B). Returns (loss sum, loss tokens) on
+        the last stage, (0, 0) elsewhere."""
+        self.model.train()
+        n = len(micro_batches)
+        warmup = min(self.rep.pp - self.pp_rank - 1, n)
+        pending = deque()  # (input activation, output) awaiting backward
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = 0.0
+
+        def forward(i, x):
+            nonlocal loss_sum, tokens
+            mb = micro_batches[i]
+            out = self._forward(mb, x)
+            if self.last:
+                mask = mb.loss_mask.to(out.device).float()
+                per_mb = (out.float() * mask).sum()
+                loss_sum += per_mb.detach().double().cpu()
+                tokens += float(mask.sum())
+                out = per_mb * loss_scale
+            pending.append((x, out))
+            return out
+
+        def backward(grad):
+            x, out = pending.popleft()
+            if self.last:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad_tensors=grad)
+            return None if x is None else x.grad
+
+        for i in range(warmup):
+            x = self._recv_forward(i, micro_batches)
+            out = forward(i, x)
+            self._send(out, self.next)
+        remaining = n - warmup
+        x = self._recv_forward(warmup, micro_batches) if remaining > 0 else None
+        for k in range(remaining):
+            i = warmup + k
+            out = forward(i, x)
+            j = i - warmup  # micro-batch whose backward follows
+            grad = self._exchange(send=out if not self.last else None, send_to=self.next,
+                                  recv_shape=None if self.last else micro_batches[j].hidden_shape,
+                                  recv_from=self.next)
+            x_grad = backward(grad)
+            last_iter = k == remaining - 1
+            x = self._exchange(send=x_grad, send_to=self.prev,
+                               recv_shape=None if (self.first or last_iter) else micro_batches[i + 1].hidden_shape,
+                               recv_from=self.prev)
+        for j in range(n - warmup, n):
+            grad = self._exchange(send=None, send_to=None, recv_shape=None if self.last else micro_batches[j].hidden_shape,
+                                  recv_from=self.next)
+            x_grad = backward(grad)
+            self._send(x_grad, self.prev)
+        return float(loss_sum), tokens
+
+    # ------------------------------------------------------------- p2p helpers
+    def _recv_forward(self, i, micro_batches):
+        if self.first:
+            return None
+        x = torch.empty(micro_batches[i].hidden_shape, dtype=self.dtype, device=_device(self.model))
+        dist.recv(x, src=self.prev)
+        return x.requires_grad_()
+
+    def _send(self, tensor, peer):
+        if peer is None or tensor is None:
+            return
+        dist.send(tensor.detach().contiguous(), dst=peer)
+
+    def _exchange(self, send, send_to, recv_shape, recv_from):
+        """Send and receive in one batch (1F1B's paired ops), so neither side blocks first."""
+        ops = []
+        received = None
+        if send is not None and send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), send_to))
+        if recv_shape is not None and recv_from is not None:
+            received = torch.empty(recv_shape, dtype=self.dtype, device=_device(self.model))
+            ops.append(dist.P2POp(dist.irecv, received, recv_from))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        if received is not None and recv_from == self.prev:
+            received.requires_grad_()
+        return received
+
+
+def _device(model):
+    return next(model.parameters()).device

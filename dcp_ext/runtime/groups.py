@@ -1,0 +1,128 @@
+"""Process groups of every candidate replica, created once at start and reused.
+
+`torch.distributed.new_group` is collective (every rank calls it, in the same order) and
+megatron-core's `destroy_model_parallel` leaks, so the runtime never re-initialises:
+the registry walks the planner's finite set of replica types in one deterministic
+order, creates each distinct rank set once, and hands each rank a megatron-core
+`ProcessGroupCollection` for every replica it can be part of. Megatron order inside a
+replica: tp fastest, then cp, then pp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ReplicaType:
+    tp: int
+    cp: int
+    pp: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.ranks) != self.tp * self.cp * self.pp:
+            raise ValueError(f"replica {self}: {len(self.ranks)} ranks but tp*cp*pp = {self.tp * self.cp * self.pp}")
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, cp_rank, pp_rank) of a global rank inside this replica."""
+        i = self.ranks.index(rank)
+        return i % self.tp, (i // self.tp) % self.cp, i // (self.tp * self.cp)
+
+    def rank_at(self, tp_rank: int, cp_rank: int, pp_rank: int) -> int:
+        return self.ranks[tp_rank + self.tp * (cp_rank + self.cp * pp_rank)]
+
+    def tp_ranks(self, cp_rank: int, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(t, cp_rank, pp_rank) for t in range(self.tp))
+
+    def cp_ranks(self, tp_rank: int, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(tp_rank, c, pp_rank) for c in range(self.cp))
+
+    def pp_ranks(self, tp_rank: int, cp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(tp_rank, cp_rank, p) for p in range(self.pp))
+
+    def tp_cp_ranks(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(t, c, pp_rank) for c in range(self.cp) for t in range(self.tp))
+
+    def stage_ranks(self, pp_rank: int) -> tuple[int, ...]:
+        return self.tp_cp_ranks(pp_rank)
+
+    def label(self) -> str:
+        parts = [f"{name}{size}" for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if size > 1]
+        return "·".join(parts) or "tp1"
+
+
+class GroupRegistry:
+    """Creates (once) and serves the process groups of a fixed set of replica types."""
+
+    def __init__(self, replica_types: Sequence[ReplicaType]):
+        self.replica_types = sorted(set(replica_types), key=lambda r: (r.ranks, r.tp, r.cp, r.pp))
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self._groups: dict[tuple[int, ...], object] = {}
+        for rep in self.replica_types:
+            for rank_set in _rank_sets(rep):
+                self._group(rank_set)
+        self.world = dist.group.WORLD
+        self._collections: dict[ReplicaType, object] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def _group(self, ranks: tuple[int, ...]):
+        ranks = tuple(sorted(ranks))
+        if ranks not in self._groups:
+            # every rank takes part in every creation, in the same order
+            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=False)
+        return self._groups[ranks]
+
+    def group(self, ranks: Sequence[int]):
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            raise KeyError(f"no process group for ranks {key}: not part of any registered replica")
+        return self._groups[key]
+
+    def collection(self, rep: ReplicaType):
+        """megatron-core ProcessGroupCollection for this rank's position in `rep`."""
+        if rep in self._collections:
+            return self._collections[rep]
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        t, c, p = rep.coords(self.rank)
+        first, last = rep.rank_at(t, c, 0), rep.rank_at(t, c, rep.pp - 1)
+        pgs = ProcessGroupCollection(
+            tp=self.group(rep.tp_ranks(c, p)),
+            cp=self.group(rep.cp_ranks(t, p)),
+            pp=self.group(rep.pp_ranks(t, c)),
+            tp_cp=self.group(rep.tp_cp_ranks(p)),
+            mp=self.group([rep.rank_at(tt, c, pp) for pp in range(rep.pp) for tt in range(rep.tp)]),
+            embd=self.group(sorted({first, last})),
+            pos_embd=self.group([first]),
+            dp=self.group([self.rank]),
+            dp_cp=self.group(rep.cp_ranks(t, p)),
+            intra_dp_cp=self.group(rep.cp_ranks(t, p)),
+            tp_dp_cp=self.group(rep.tp_cp_ranks(p)),
+        )
+        self._collections[rep] = pgs
+        return pgs
+
+
+def _rank_sets(rep: ReplicaType):
+    """Every rank set a replica's collections use, in a deterministic order."""
+    for p in range(rep.pp):
+        for c in range(rep.cp):
+            yield rep.tp_ranks(c, p)
+        for t in range(rep.tp):
+            yield rep.cp_ranks(t, p)
+        yield rep.tp_cp_ranks(p)
+    for c in range(rep.cp):
+        for t in range(rep.tp):
+            yield rep.pp_ranks(t, c)
+            yield tuple(sorted({rep.rank_at(t, c, 0), rep.rank_at(t, c, rep.pp - 1)}))
+            yield (rep.rank_at(t, c, 0),)
+        yield tuple(rep.rank_at(tt, c, pp) for pp in range(rep.pp) for tt in range(rep.tp))
+    for r in rep.ranks:
+        yield (r,)
