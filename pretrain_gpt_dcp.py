@@ -68,6 +68,17 @@ def train_valid_test_datasets_provider(args):
     )
 
 
+def document_datasets_provider(args):
+    """One document per sample, lengths known before batches form (the --dcp path)."""
+    from dcp_ext.data.documents import build_document_datasets
+    from megatron.training.global_vars import get_tokenizer
+
+    return build_document_datasets(
+        data_prefixes(args), args.split, args.seed, args.dcp_max_seq_len,
+        split_long_documents=args.dcp_split_long_documents, vocab_size=get_tokenizer().vocab_size,
+    )
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Per-token loss summed over this micro-batch, with its token count (Megatron's 3-tuple)."""
     losses = output_tensor.float().reshape(-1)
@@ -106,7 +117,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         argv = ["--yaml-cfg", DEMO_CONFIG]
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
+             document_datasets_provider=document_datasets_provider)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class AdaptiveEngine:
 
     def gather_canonical(self) -> torch.Tensor:
         """The whole master vector on every rank (collective; checkpoints export, tests)."""
-        return self.exchange._allgather(self.optimizer.master())
+        return self.exchange.allgather(self.optimizer.master())
 
     # --------------------------------------------------------------------- step
     def my_replica(self, it: IterationPlan):

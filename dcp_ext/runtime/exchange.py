@@ -35,7 +35,7 @@ class ParamExchange:
     def pull(self, key, local: list[LocalParam], master_shard: torch.Tensor) -> None:
         """Fill every local parameter from the owners' master values (collective)."""
         if self.mode == "allgather":
-            full = self._allgather(master_shard)
+            full = self.allgather(master_shard)
             with torch.no_grad():
                 for lp in local:
                     lp.param.copy_(full[lp.index].to(lp.param.dtype))
@@ -73,7 +73,7 @@ class ParamExchange:
         self.bytes_pushed += 4 * (plan.need.numel() - plan.need_counts[self.rank])
 
     # ------------------------------------------------------------------ helpers
-    def _allgather(self, shard: torch.Tensor) -> torch.Tensor:
+    def allgather(self, shard: torch.Tensor) -> torch.Tensor:
         sizes = [e - s for s, e in self.bounds]
         biggest = max(sizes)
         padded = torch.zeros(biggest, dtype=shard.dtype)

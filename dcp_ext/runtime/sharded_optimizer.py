@@ -85,10 +85,26 @@ class ShardedAdamW:
         self.decay.grad = self.no_decay.grad = None
         return True, norm
 
-    def state_dict(self) -> dict:
-        state = self.inner.state_dict()
-        return {"inner": state, "master": self.master()}
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(exp_avg, exp_avg_sq) of this shard, flat in canonical order, and the step count."""
+        avg = torch.zeros(self.grad.numel(), dtype=torch.float32)
+        avg_sq = torch.zeros_like(avg)
+        step = 0
+        for p, idx in ((self.decay, self.decay_idx), (self.no_decay, self.no_decay_idx)):
+            state = self.inner.state.get(p)
+            if state:
+                avg[idx] = state["exp_avg"]
+                avg_sq[idx] = state["exp_avg_sq"]
+                step = int(state["step"])
+        return avg, avg_sq, step
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.set_master(sd["master"])
-        self.inner.load_state_dict(sd["inner"])
+    def set_moments(self, avg: torch.Tensor, avg_sq: torch.Tensor, step: int) -> None:
+        for p, idx in ((self.decay, self.decay_idx), (self.no_decay, self.no_decay_idx)):
+            if step == 0:
+                self.inner.state.pop(p, None)
+                continue
+            self.inner.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": avg[idx].clone(),
+                "exp_avg_sq": avg_sq[idx].clone(),
+            }

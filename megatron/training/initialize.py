@@ -60,6 +60,14 @@ def set_random_seed(seed: int, offset_by_pipeline_rank: bool = True) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def set_random_seed_without_parallel_state(seed: int) -> None:
+    """Seeds for the adaptive runtime, which has no global layout (the engine seeds
+    megatron-core's model-parallel RNG tracker per step, for the step's TP rank)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

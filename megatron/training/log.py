@@ -33,11 +33,10 @@ class TrainingLogger:
             except ImportError:
                 print_rank_last("warning: --tensorboard-dir given but tensorboard is not installed (pip install tensorboard)")
 
-    def flops(self, doc_lengths) -> float:
-        """Training FLOPs of these documents under this run's model."""
+    def model_shape(self) -> dict:
+        """The model's dimensions, as dcp_ext.flops.training_flops takes them."""
         a = self.args
-        return training_flops(
-            doc_lengths,
+        return dict(
             num_layers=a.num_layers,
             hidden=a.hidden_size,
             ffn_hidden=a.ffn_hidden_size,
@@ -47,6 +46,10 @@ class TrainingLogger:
             vocab_size=getattr(a, "padded_vocab_size", None) or a.vocab_size or 0,
             swiglu=a.swiglu,
         )
+
+    def flops(self, doc_lengths) -> float:
+        """Training FLOPs of these documents under this run's model."""
+        return training_flops(doc_lengths, **self.model_shape())
 
     def log_iteration(self, iteration, consumed_samples, elapsed_s, losses, scheduler, optimizer, grad_norm,
                       update_successful, iteration_flops, global_batch_size, extra: str = ""):

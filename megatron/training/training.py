@@ -172,9 +172,11 @@ def pretrain(
     model_provider: Callable,
     forward_step_func: Callable,
     argv: Optional[list[str]] = None,
+    document_datasets_provider: Optional[Callable] = None,
 ):
     """Megatron's entry: parse flags, initialise, build, (resume), train, evaluate, save.
 
+    `document_datasets_provider(args)` gives one-document-per-sample datasets for `--dcp`.
     Returns the list of (iteration, lm loss) logged, for tests and tools.
     """
     from dcp_ext.data.errors import DataError
@@ -185,18 +187,22 @@ def pretrain(
         _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
     try:
-        return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func)
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
+                         document_datasets_provider)
     except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError) as e:
         _report_error_and_exit(str(e))
 
 
-def _pretrain(args, datasets_provider, model_provider, forward_step_func):
+def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     global_vars.build_tokenizer(args)
     if args.dcp:
-        from dcp_ext.runtime.train import train_adaptive
+        from megatron.training.training_dcp import train_adaptive
 
-        return train_adaptive(args, datasets_provider, model_provider)
+        if document_datasets_provider is None:
+            raise ArgumentError("--dcp needs a document_datasets_provider (one document per sample)")
+        return train_adaptive(args, document_datasets_provider, model_provider,
+                              partial(transformer_config_from_args, args), build_lr_scheduler)
     initialize_model_parallel(args)
     set_random_seed(args.seed)
     model, optimizer, config = build_model_and_optimizer(args, model_provider)

@@ -1,0 +1,166 @@
+"""The `--dcp` training loop: per-iteration plans on the adaptive engine.
+
+Glue only: documents from the variable-length data path, global batches by tokens
+(DESIGN.md), a plan per iteration from `dcp_ext.planner` (the next one computed in a
+background thread while this one trains), `dcp_ext.runtime.AdaptiveEngine` for the step,
+Megatron's LR schedule, log line and checkpoint layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import checkpointing_dcp
+from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
+from megatron.training.log import TrainingLogger
+
+
+def cluster_for(world_size: int):
+    """The cluster this job runs on: GPU kind from the device name, else this CPU."""
+    from dcp_ext.specs import GPU_KINDS, ClusterSpec
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for kind in GPU_KINDS:
+            if kind in name and kind != "cpu-gloo":
+                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+                spec = ClusterSpec.from_preset(f"{kind}x{world_size}")
+                return dataclasses.replace(spec, gpus_per_node=min(per_node, world_size))
+    return ClusterSpec.cpu_gloo(world_size)
+
+
+def layout_summary(it) -> str:
+    """`layout: tp2·pp2 + 2×tp1 | mb 3/5/5 | recompute 0/12`."""
+    from dcp_ext.runtime.engine import replica_type_of
+
+    labels = Counter(replica_type_of(r).label() for r in it.replicas)
+    layout = " + ".join(f"{n}×{lab}" if n > 1 else lab for lab, n in labels.items())
+    mbs = "/".join(str(len(r.micro_batches)) for r in it.replicas)
+    all_mbs = [mb for r in it.replicas for mb in r.micro_batches]
+    recomputed = sum(1 for mb in all_mbs if mb.recompute_layers > 0)
+    return f"layout: {layout} | mb {mbs} | recompute {recomputed}/{len(all_mbs)}"
+
+
+def vocab_padding_for(replica_types, args) -> int:
+    """One padded vocabulary for every layout: a multiple of divisible_by x lcm(tp sizes)."""
+    from dcp_ext.data.tokenizers import padded_vocab_size
+    from megatron.training.global_vars import get_tokenizer
+
+    lcm_tp = 1
+    for tp, _, _, _ in replica_types:
+        lcm_tp = math.lcm(lcm_tp, tp)
+    return padded_vocab_size(get_tokenizer().vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
+
+
+def build_planner(args, train_ds):
+    from dcp_ext.planner import make_planner
+    from dcp_ext.specs import ModelSpec
+
+    sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
+    return make_planner(
+        args.dcp_planner,
+        ModelSpec.from_megatron_args(args),
+        cluster_for(args.world_size),
+        max_seq_len=args.dcp_max_seq_len,
+        global_batch_tokens=args.dcp_global_batch_tokens,
+        length_sample=[int(x) for x in sample],
+        profile=args.dcp_cost_profile,
+        memory_margin=args.dcp_memory_margin,
+        seed=args.seed,
+    )
+
+
+def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
+    from dcp_ext.data.batches import GlobalBatchStream
+    from dcp_ext.data.thd import materialize, num_loss_tokens
+    from dcp_ext.flops import training_flops
+    from dcp_ext.plan import iteration_to_json, validate_iteration
+    from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType, replica_type_of
+
+    set_random_seed_without_parallel_state(args.seed)
+    train_ds, _, _ = document_datasets_provider(args)
+    planner = build_planner(args, train_ds)
+    types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
+    args.padded_vocab_size = vocab_padding_for(planner.replica_types(), args)
+    engine = AdaptiveEngine(
+        types,
+        lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                           pipeline_model_parallel_size=pp, sequence_parallel=sp),
+        lambda config, pre, post, pg: model_provider(config, pre_process=pre, post_process=post, pg_collection=pg),
+        sequence_parallel=args.sequence_parallel,
+        lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps, clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
+    )
+    print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
+                 f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
+                 f"sharded over {args.world_size} ranks")
+    scheduler = build_scheduler(args, engine.optimizer)
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = checkpointing_dcp.load(args, engine, scheduler)
+    stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, consumed_samples=consumed)
+    logger = TrainingLogger(args)
+    eod = args.eod_token
+    history = []
+    nan_streak = 0
+    planning = ThreadPoolExecutor(max_workers=1)
+
+    def plan(index, batch):
+        t0 = time.perf_counter()
+        it = planner.plan_iteration(index, batch.sample_ids, batch.lengths)
+        return it, time.perf_counter() - t0
+
+    upcoming = None
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        batch = stream.next()
+        it, plan_s = upcoming.result() if upcoming is not None else plan(iteration, batch)
+        if list(it.sample_ids) != list(batch.sample_ids):
+            raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
+        ahead = stream.peek(1)
+        upcoming = planning.submit(plan, iteration + 1, ahead[0]) if ahead and iteration + 1 < args.train_iters else None
+        validate_iteration(it, args.world_size, args.num_layers, args.num_attention_heads, args.num_query_groups)
+        rep = engine.my_replica(it)
+        each, total = engine.padding_for(replica_type_of(rep))
+        batches = [materialize(train_ds, mb.sample_ids, pad_each_to=each, pad_total_to=total,
+                               eod_mask_loss=args.eod_mask_loss, eod=eod) for mb in rep.micro_batches]
+        loss_tokens = num_loss_tokens(train_ds, batch.sample_ids, args.eod_mask_loss, eod)
+        result = engine.step(it, batches, loss_tokens)
+        ok = result.update_successful and math.isfinite(result.loss)
+        if ok:
+            scheduler.step(increment=1)
+        nan_streak = 0 if ok else nan_streak + 1
+        if nan_streak >= args.max_nan_iterations:
+            from megatron.training.training import TrainingError
+
+            raise TrainingError(f"{nan_streak} NaN/inf iterations in a row at iteration {iteration + 1}: lower --lr, "
+                                "check the data, or raise --max-nan-iterations")
+        iteration += 1
+        elapsed = time.perf_counter() - start
+        flops = training_flops(batch.lengths, **logger.model_shape())
+        extra = (f" {layout_summary(it)} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
+                 f"{1000 * elapsed:.1f} | plan (ms): {1000 * plan_s:.1f} | tokens: {sum(batch.lengths)} |")
+        logger.log_iteration(iteration, stream.consumed_samples, elapsed, {"lm loss": result.loss}, scheduler,
+                             engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra)
+        history.append((iteration, result.loss))
+        if args.dcp_log_plan and dist.get_rank() == 0:
+            with open(args.dcp_log_plan, "a") as f:
+                f.write(json.dumps(iteration_to_json(it)) + "\n")
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    planning.shutdown(wait=True)
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler)
+    logger.close()
+    dist.barrier()
+    return history
