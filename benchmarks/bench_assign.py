@@ -28,6 +28,8 @@ Wall times on a shared machine are noisy: both wall and process CPU time are sho
 from __future__ import annotations
 
 import argparse
+
+from dcp_ext.lengths import DATA_DIR
 import glob
 import os
 import sys
@@ -251,8 +253,7 @@ def batch_quality_section(data: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
-                                                   "data", "lengths"))
+    ap.add_argument("--data", default=DATA_DIR, help="folder of length files (default: the repo's data/lengths)")
     ap.add_argument("--exact-instances", type=int, default=24, help="small instances solved by HiGHS (issue: 200)")
     ap.add_argument("--exact-time-limit", type=float, default=20.0, help="HiGHS seconds per instance")
     ap.add_argument("--exact-gap", type=float, default=1e-3, help="HiGHS relative optimality gap")

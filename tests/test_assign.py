@@ -130,12 +130,9 @@ def test_cpp_equals_python_real_lengths(real_lengths):
 
 @pytest.fixture(scope="module")
 def real_lengths():
-    import os
-    path = "/work/shared/data/lengths/code_python_cl100k.txt"
-    if not os.path.exists(path):
-        path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "lengths", "code_python_cl100k.txt")
-    if not os.path.exists(path):
-        pytest.skip("shared length data not available")
+    from dcp_ext.lengths import lengths_path
+
+    path = lengths_path("code_python_cl100k.txt")
     return np.loadtxt(path, dtype=np.int64)
 
 
