@@ -339,12 +339,18 @@ def build_pool(
     prune: bool = False,
     extra_batches: Sequence[np.ndarray] = (),
     extra_weight: float = 0.25,
+    exact: Callable[[BatchPrep, Counts], float] | None = None,
+    shortlist: int = 3,
 ) -> Pool:
     """Pick <= max_layouts layouts for the run (see the module docstring).
 
     `extra_batches` (e.g. only short or only long documents of the histogram) widen the
     pool towards batches that are rarer than the typical ones; they count with
-    `extra_weight` in the cover."""
+    `extra_weight` in the cover. Layouts of one replica type throughout (those that can
+    hold a max-length sequence) are candidates too. With `exact` (the planner's full
+    plan, priced), the cover uses exact times of each batch's `shortlist` best layouts by
+    the estimate: the estimate is fractional and flatters layouts whose few documents
+    cannot be balanced over their replicas."""
     from dcp_ext.simulator import lower_bound
 
     world = cm.cluster.num_gpus
@@ -389,7 +395,20 @@ def build_pool(
         if progress:
             progress(k + 1, len(jobs))
     cover = found[-1] if len(jobs) > len(preps) else None
+    for lay in sorted(holders, key=lambda l: (-l.size, l)):
+        uni = canonical({lay: world // lay.size})
+        if uni not in found:
+            found.append(uni)
     times = np.array([[screen(p, c)[0] for p in preps] for c in found]) if preps else np.zeros((len(found), 0))
+    if exact is not None and preps:
+        # exact prices for each batch's shortlist; the rest stay out of reach
+        est_times = times
+        times = np.full_like(est_times, np.inf)
+        for b, prep in enumerate(preps):
+            order = np.argsort(est_times[:, b], kind="stable")[:shortlist]
+            for i in order:
+                if np.isfinite(est_times[i, b]):
+                    times[i, b] = exact(prep, found[i])
     # relative to each batch's own lower bound, so long and short batches weigh alike
     rel = times / np.maximum(np.asarray(lbs), 1e-12)[None, :] * weights[None, :] if preps else times
     chosen: list[int] = []

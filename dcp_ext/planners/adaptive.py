@@ -81,6 +81,7 @@ class AdaptivePlanner(PlannerBase):
         screen_slack: float = 0.01,
         engine: str = "auto",
         move_targets: int = 3,
+        small_batch: int = 64,
         layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
     ):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
@@ -90,6 +91,7 @@ class AdaptivePlanner(PlannerBase):
         self.switch_cost_s = switch_cost_s
         self.screen_slack = screen_slack
         self.move_targets = move_targets
+        self.small_batch = small_batch
         if engine not in ("auto", "python", "assign"):
             raise ValueError(f"engine must be auto, python or assign, not {engine!r}")
         self._use_assign = False
@@ -122,7 +124,17 @@ class AdaptivePlanner(PlannerBase):
             batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
             extras = extreme_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, seed)
             cb = stderr_progress(f"{self.name}: candidate layouts") if progress else None
-            self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb, extra_batches=extras)
+            self.placements = {}
+            self.pool_tables = self.tables
+
+            def exact(prep: BatchPrep, counts: Counts) -> float:
+                if counts not in self.placements:
+                    self.placements[counts] = place(expand(counts), cluster.num_gpus)
+                t, order, bounds = screen(prep, counts)
+                return max(r.time_s for r in self._full_plan(prep, counts, order, bounds))
+
+            self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb,
+                                   extra_batches=extras, exact=exact)
         self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
         for c in self.pool.layouts:
@@ -155,10 +167,16 @@ class AdaptivePlanner(PlannerBase):
             est.append((t, c, order, bounds))
         ranked = sorted(range(len(est)), key=lambda i: (est[i][0], i))
         t0 = est[ranked[0]][0]
+        if prep.n <= self.small_batch:
+            # few documents: the fractional estimate is least reliable and full plans cheap
+            ranked = [i for i in ranked if math.isfinite(est[i][0])]
+            pick = ranked
+            t0 = math.inf
         # plan in full the best estimates (those within the estimate's accuracy of the
         # best) and the current layout when staying on it is plausible
-        pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0]) and est[i][0] <= t0 * (1 + self.screen_slack)]
-        if self._current is not None:
+        if math.isfinite(t0):
+            pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0]) and est[i][0] <= t0 * (1 + self.screen_slack)]
+        if self._current is not None and math.isfinite(t0):
             cur_i = self.pool.layouts.index(self._current)
             if cur_i not in pick and est[cur_i][0] <= t0 * (1 + self.switch_margin + self.screen_slack):
                 # staying is plausible: the current layout takes the last slot
