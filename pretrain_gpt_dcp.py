@@ -1,7 +1,7 @@
 """Pretrain a GPT with megatron-core, static or adaptive (`--dcp`) parallelism.
 
     torchrun --nproc_per_node=4 pretrain_gpt_dcp.py <Megatron flags>
-    torchrun --nproc_per_node=4 pretrain_gpt_dcp.py            # the CPU demo (examples/cpu_demo.yaml)
+    torchrun --nproc_per_node=4 pretrain_gpt_dcp.py            # the CPU demo (examples/cpu_demo.yaml + --dcp)
 
 Thin, like Megatron's pretrain_gpt.py: the model, data and forward-step providers, then
 `pretrain()`. With no flags at all it runs the embedded default, the CPU demo.
@@ -115,8 +115,8 @@ def main(argv=None) -> None:
     from megatron.training.training import pretrain
 
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        argv = ["--yaml-cfg", DEMO_CONFIG]
+    if not argv:  # the embedded default: the CPU demo on the adaptive runtime
+        argv = ["--yaml-cfg", DEMO_CONFIG, "--dcp"]
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
              document_datasets_provider=document_datasets_provider)
 

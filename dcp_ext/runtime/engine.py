@@ -177,31 +177,42 @@ class AdaptiveEngine:
         total = rep.tp * rep.cp if stage.sequence_parallel else 1
         return each, total
 
+    def _localize(self, it: IterationPlan, stage: Stage, batches: list) -> list:
+        _, c, _ = stage.rep.coords(self.rank)
+        hidden = stage.runner.config.hidden_size
+        return [
+            localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers)
+            for b, mb in zip(batches, self.my_replica(it).micro_batches)
+        ]
+
+    def _reduce_loss(self, stage: Stage, loss_sum: float, tokens: float) -> tuple[float, float]:
+        """Every token's loss once: last stages, TP rank 0 (TP ranks hold identical losses)."""
+        counts = stage.runner.last and stage.rep.coords(self.rank)[0] == 0
+        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total[0]), float(total[1])
+
+    def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
+        """Forward only under the plan's layout: (loss sum, loss tokens) over the batch."""
+        stage = self.stage_for(it)
+        self.exchange.pull(layout_key(it), stage.local, self.optimizer.master())
+        seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
+        return self._reduce_loss(stage, *stage.runner.evaluate(self._localize(it, stage, batches)))
+
     def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
         """One training step. `batches`: this rank's replica's micro-batches (ThdBatch, plan
         order), padded per `padding_for`; `loss_tokens`: the global batch's loss-token count."""
         stage = self.stage_for(it)
         key = layout_key(it)
-        t, c, _ = stage.rep.coords(self.rank)
-        seed_rng_tracker(self.init_seed, it.index, t)
+        seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
         self.exchange.pull(key, stage.local, self.optimizer.master())
         for lp in stage.local:
             lp.param.grad = None
-        rep_plan = self.my_replica(it)
-        hidden = stage.runner.config.hidden_size
-        local = [
-            localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers)
-            for b, mb in zip(batches, rep_plan.micro_batches)
-        ]
-        loss_sum, tokens = stage.runner.run(local, 1.0 / max(loss_tokens, 1))
+        loss_sum, tokens = stage.runner.run(self._localize(it, stage, batches), 1.0 / max(loss_tokens, 1))
         self.optimizer.zero_grad()
         self.exchange.push(key, stage.local, self.optimizer.grad)
         ok, norm = self.optimizer.step()
-        # every token's loss once: last stages, TP rank 0 (TP ranks hold identical losses)
-        counts = stage.runner.last and t == 0
-        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0], dtype=torch.float64)
-        dist.all_reduce(total)
-        return StepResult(float(total[0]), float(total[1]), norm, ok)
+        return StepResult(*self._reduce_loss(stage, loss_sum, tokens), norm, ok)
 
 
 def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:

@@ -81,6 +81,23 @@ class StageRunner:
                          packed_seq_params=mb.packed_seq_params)
         return out
 
+    def evaluate(self, micro_batches: list[LocalMicroBatch]) -> tuple[float, float]:
+        """Forward only, stage by stage. Returns (loss sum, loss tokens) on the last stage."""
+        self.model.eval()
+        loss_sum, tokens = 0.0, 0.0
+        with torch.no_grad():
+            for i, mb in enumerate(micro_batches):
+                x = self._recv_forward(i, micro_batches)
+                out = self._forward(mb, x)
+                if self.last:
+                    mask = mb.loss_mask.to(out.device).float()
+                    loss_sum += float((out.float() * mask).sum())
+                    tokens += float(mask.sum())
+                else:
+                    self._send(out, self.next)
+        self.model.train()
+        return loss_sum, tokens
+
     def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float) -> tuple[float, float]:
         """Forward and backward every micro-batch (1F1B). Returns (loss sum, loss tokens) on
         the last stage, (0, 0) elsewhere."""
@@ -143,7 +160,7 @@ class StageRunner:
             return None
         x = torch.empty(micro_batches[i].hidden_shape, dtype=self.dtype, device=_device(self.model))
         dist.recv(x, src=self.prev)
-        return x.requires_grad_()
+        return x.requires_grad_() if torch.is_grad_enabled() else x
 
     def _send(self, tensor, peer):
         if peer is None or tensor is None:

@@ -7,6 +7,7 @@ Megatron's LR schedule, log line and checkpoint layout.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -78,6 +79,29 @@ def build_planner(args, train_ds):
     )
 
 
+def evaluate(args, engine, planner, valid_ds) -> float:
+    """Per-token loss over the first --eval-iters global batches of the validation split."""
+    from dcp_ext.data.batches import GlobalBatchStream
+    from dcp_ext.data.thd import materialize
+    from dcp_ext.runtime.engine import replica_type_of
+
+    stream = GlobalBatchStream(valid_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, limit=len(valid_ds))
+    total, tokens = 0.0, 0.0
+    for i in range(args.eval_iters):
+        try:
+            batch = stream.next()
+        except StopIteration:
+            break
+        it = planner.plan_iteration(i, batch.sample_ids, batch.lengths)
+        rep = engine.my_replica(it)
+        each, pad_total = engine.padding_for(replica_type_of(rep))
+        batches = [materialize(valid_ds, mb.sample_ids, pad_each_to=each, pad_total_to=pad_total,
+                               eod_mask_loss=args.eod_mask_loss, eod=args.eod_token) for mb in rep.micro_batches]
+        loss_sum, n = engine.evaluate(it, batches)
+        total, tokens = total + loss_sum, tokens + n
+    return total / max(tokens, 1.0)
+
+
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
     from dcp_ext.data.batches import GlobalBatchStream
     from dcp_ext.data.thd import materialize, num_loss_tokens
@@ -86,8 +110,9 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType, replica_type_of
 
     set_random_seed_without_parallel_state(args.seed)
-    train_ds, _, _ = document_datasets_provider(args)
+    train_ds, valid_ds, _ = document_datasets_provider(args)
     planner = build_planner(args, train_ds)
+    eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
     types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
     args.padded_vocab_size = vocab_padding_for(planner.replica_types(), args)
     engine = AdaptiveEngine(
@@ -119,6 +144,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         return it, time.perf_counter() - t0
 
     upcoming = None
+    window_layouts = Counter()
     while iteration < args.train_iters:
         start = time.perf_counter()
         batch = stream.next()
@@ -146,11 +172,20 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         iteration += 1
         elapsed = time.perf_counter() - start
         flops = training_flops(batch.lengths, **logger.model_shape())
-        extra = (f" {layout_summary(it)} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
+        summary = layout_summary(it)
+        window_layouts[summary.split(" | ")[0][len("layout: "):]] += 1
+        extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
                  f"{1000 * elapsed:.1f} | plan (ms): {1000 * plan_s:.1f} | tokens: {sum(batch.lengths)} |")
+        if iteration % args.log_interval == 0:
+            if args.log_interval > 1:
+                extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in window_layouts.items()) + " |"
+            window_layouts.clear()
         logger.log_iteration(iteration, stream.consumed_samples, elapsed, {"lm loss": result.loss}, scheduler,
                              engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra)
         history.append((iteration, result.loss))
+        if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+            loss = evaluate(args, engine, eval_planner, valid_ds)
+            logger.log_validation(iteration, loss)
         if args.dcp_log_plan and dist.get_rank() == 0:
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
