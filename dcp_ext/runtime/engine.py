@@ -42,6 +42,7 @@ class StepResult:
     loss_tokens: float
     grad_norm: float
     update_successful: bool
+    bytes_moved: float = 0.0  # pull + push, all ranks together, this step
 
     @property
     def loss(self) -> float:
@@ -185,19 +186,20 @@ class AdaptiveEngine:
             for b, mb in zip(batches, self.my_replica(it).micro_batches)
         ]
 
-    def _reduce_loss(self, stage: Stage, loss_sum: float, tokens: float) -> tuple[float, float]:
-        """Every token's loss once: last stages, TP rank 0 (TP ranks hold identical losses)."""
+    def _reduce_loss(self, stage: Stage, loss_sum: float, tokens: float, moved: float = 0.0) -> list[float]:
+        """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
+        and whatever else every rank adds (bytes moved)."""
         counts = stage.runner.last and stage.rep.coords(self.rank)[0] == 0
-        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0], dtype=torch.float64)
+        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved], dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total[0]), float(total[1])
+        return total.tolist()
 
     def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
         """Forward only under the plan's layout: (loss sum, loss tokens) over the batch."""
         stage = self.stage_for(it)
         self.exchange.pull(layout_key(it), stage.local, self.optimizer.master())
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
-        return self._reduce_loss(stage, *stage.runner.evaluate(self._localize(it, stage, batches)))
+        return tuple(self._reduce_loss(stage, *stage.runner.evaluate(self._localize(it, stage, batches)))[:2])
 
     def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
         """One training step. `batches`: this rank's replica's micro-batches (ThdBatch, plan
@@ -205,6 +207,7 @@ class AdaptiveEngine:
         stage = self.stage_for(it)
         key = layout_key(it)
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
+        moved_before = self.exchange.bytes_pulled + self.exchange.bytes_pushed
         self.exchange.pull(key, stage.local, self.optimizer.master())
         for lp in stage.local:
             lp.param.grad = None
@@ -212,7 +215,9 @@ class AdaptiveEngine:
         self.optimizer.zero_grad()
         self.exchange.push(key, stage.local, self.optimizer.grad)
         ok, norm = self.optimizer.step()
-        return StepResult(*self._reduce_loss(stage, loss_sum, tokens), norm, ok)
+        moved = self.exchange.bytes_pulled + self.exchange.bytes_pushed - moved_before
+        total_loss, total_tokens, total_moved = self._reduce_loss(stage, loss_sum, tokens, moved)
+        return StepResult(total_loss, total_tokens, norm, ok, total_moved)
 
 
 def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-cost-profile", type=str, default=None, help="profile written by dcp-profile")
     g.add_argument("--dcp-memory-margin", type=float, default=0.1)
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
+    g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
+                   help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
     return p
 
 

@@ -52,11 +52,12 @@ class TrainingLogger:
         return training_flops(doc_lengths, **self.model_shape())
 
     def log_iteration(self, iteration, consumed_samples, elapsed_s, losses, scheduler, optimizer, grad_norm,
-                      update_successful, iteration_flops, global_batch_size, extra: str = ""):
+                      update_successful, iteration_flops, global_batch_size, extra: str = "", record=None):
         """Accumulate one iteration; print Megatron's line every --log-interval iterations.
 
         `iteration_flops` is the whole job's work this iteration (every replica's documents
-        once); TFLOP/s/GPU divides it by time and world size.
+        once); TFLOP/s/GPU divides it by time and world size. `record`: extra fields for
+        the --loss-log line.
         """
         loss = losses["lm loss"]
         if not update_successful:
@@ -70,7 +71,7 @@ class TrainingLogger:
         loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
         if self.args.loss_log and self.last_rank:
             record = {"iteration": iteration, "lm loss": loss, "grad norm": grad_norm, "lr": lr,
-                      "consumed samples": consumed_samples, "skipped": not update_successful}
+                      "consumed samples": consumed_samples, "skipped": not update_successful, **(record or {})}
             with open(self.args.loss_log, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.writer is not None:

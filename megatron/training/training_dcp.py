@@ -123,6 +123,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         sequence_parallel=args.sequence_parallel,
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps, clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
+        exchange=args.dcp_exchange,
     )
     print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
                  f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
@@ -181,7 +182,9 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                 extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in window_layouts.items()) + " |"
             window_layouts.clear()
         logger.log_iteration(iteration, stream.consumed_samples, elapsed, {"lm loss": result.loss}, scheduler,
-                             engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra)
+                             engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra,
+                             record={"tokens": sum(batch.lengths), "elapsed_s": elapsed,
+                                     "bytes_moved": result.bytes_moved, "layout": summary})
         history.append((iteration, result.loss))
         if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
             loss = evaluate(args, engine, eval_planner, valid_ds)
