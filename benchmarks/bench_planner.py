@@ -19,11 +19,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from dcp_ext.lengths import DATA_DIR  # noqa: E402
 from dcp_ext.batching import global_batches  # noqa: E402
 from dcp_ext.planner import PLANNERS, make_planner  # noqa: E402
 from dcp_ext.specs import ClusterSpec, ModelSpec  # noqa: E402
 
-DATA = os.environ.get("DCP_LENGTHS_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "lengths"))
+DATA = os.environ.get("DCP_LENGTHS_DIR", DATA_DIR)
 
 
 def planning_times(model: str, cluster: str, path: str, iterations: int, names) -> dict:

@@ -19,9 +19,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from dcp_ext.lengths import DATA_DIR  # noqa: E402
 from dcp_ext.cli.simulate import format_table, run  # noqa: E402
 
-DATA = os.environ.get("DCP_LENGTHS_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "lengths"))
+DATA = os.environ.get("DCP_LENGTHS_DIR", DATA_DIR)
 FILES = ["code_python_cl100k.txt", "mooncake_conversation_input_tokens.txt"]
 SETTINGS = [("llama2-7b", "h200x64"), ("llama2-7b", "h200x256"), ("llama2-13b", "h200x64"),
             ("llama2-70b", "h200x64"), ("llama2-7b", "a800x64")]

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dcp_ext.batching import global_batches
+from dcp_ext.lengths import DATA_DIR as DATA
 from dcp_ext.plan import iteration_to_json, validate_iteration
 from dcp_ext.planner import PLANNERS, PlanningError, make_planner
 from dcp_ext.simulator import lower_bound, simulate_iteration
 from dcp_ext.specs import ClusterSpec, ModelSpec
 
-DATA = "/work/shared/data/lengths"
 CODE = os.path.join(DATA, "code_python_cl100k.txt")
 
 
