@@ -1,0 +1,397 @@
+"""dcp-profile: time real forward+backward micro-batches on this machine, fit the cost model.
+
+Why it exists: the analytic cost model is a guess about the hardware; the planner is only
+as good as its prices. This tool times what the runtime really does (megatron-core stage
+models built by `dcp_ext.model`, run by the runtime's `StageRunner` with the runtime's
+process groups) over `dcp_ext.profile.profile_grid`'s document lengths and layouts, then
+fits and saves the profile that `--dcp-cost-profile` / `dcp-plan --profile` read.
+
+    dcp-profile --yaml-cfg examples/cpu_demo.yaml --out cache/profile-demo.json
+    dcp-profile --layouts tp1cp1pp1,tp2cp1pp1 --points 6 --repeats 5 <Megatron model flags>
+
+How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL):
+  * ranks are spawned for the largest layout only; layouts are timed one at a time on
+    ranks 0..size-1 while the others wait in a barrier, so a record is one micro-batch
+    alone on its replica (what `ProfileRecord.seconds` means);
+  * per run: world barrier, then every replica rank times `StageRunner.run([mb])` (1F1B
+    of one micro-batch = every stage's forward then backward); the run's time is the
+    last rank's end minus the first rank's start (one monotonic clock per machine);
+  * per layout: `--warmup` untimed passes over its points, then `--repeats` rounds in a
+    shuffled order (slow spells of a shared machine spread over points instead of
+    biasing one); a record's seconds is the median of its rounds.
+Megatron's arguments are parsed by `megatron.training.arguments` (imported lazily: the
+`dcp_ext` package itself never imports `megatron.training`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+# Megatron flags that validation requires but profiling never uses.
+_UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4"]
+
+
+@dataclass
+class Job:
+    """Everything a rank needs: picklable, identical on every rank."""
+
+    args: argparse.Namespace  # parsed Megatron arguments (padded_vocab_size set)
+    points: list[dict]  # tp, cp, pp, recompute_layers, lengths (profile_grid's dicts)
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 1234
+    cuda: bool = False
+    threads: int = 1
+    progress: bool = True
+    desc: str = "dcp-profile"
+
+
+@dataclass
+class Timing:
+    point: dict
+    samples: list[float] = field(default_factory=list)  # seconds, one per repeat
+
+    @property
+    def seconds(self) -> float:
+        return float(np.median(self.samples))
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the repeats: the noise of this point."""
+        return float((max(self.samples) - min(self.samples)) / self.seconds) if len(self.samples) > 1 else 0.0
+
+
+# ----------------------------------------------------------------------------- layouts
+def parse_layouts(text: str) -> list[tuple[int, int, int]]:
+    """`tp1cp1pp1,tp2cp1pp1` (any of tp/cp/pp may be left out: `tp2` = tp2cp1pp1)."""
+    import re
+
+    out = []
+    for item in (t.strip().lower() for t in text.split(",")):
+        if not item:
+            continue
+        m = re.fullmatch(r"(?:tp(\d+))?(?:cp(\d+))?(?:pp(\d+))?", item)
+        if not m or not any(m.groups()):
+            raise SystemExit(f"--layouts: cannot read {item!r} (expected e.g. tp2cp1pp1)")
+        out.append(tuple(int(g or 1) for g in m.groups()))
+    return out
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_layouts(cost_model, ranks: int) -> list[tuple[int, int, int]]:
+    """Every valid layout that fits the ranks without oversubscribing the CPU cores (or
+    the GPUs): larger ones would time the machine's contention, not the layout."""
+    return [tuple(l) for l in cost_model.all_layouts() if l.size <= ranks]
+
+
+# ----------------------------------------------------------------------------- one rank
+def _rank_main(rank: int, world: int, port: int, job: Job, result_dir: str) -> None:
+    import warnings
+
+    # megatron-core warns at import about missing TE/apex, once per rank: noise in a long job
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(job.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if job.cuda:
+        torch.cuda.set_device(rank)
+    else:
+        from dcp_ext import cpu_compat
+
+        cpu_compat.install()
+    dist.init_process_group("nccl" if job.cuda else "gloo", rank=rank, world_size=world)
+    spans = _measure(rank, world, job)
+    with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
+        json.dump(spans, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, job: Job) -> list[list]:
+    """Time every point on this rank. Returns [point index, round, t_start, t_end] per timed
+    run this rank took part in (rounds < 0 are warm-up, not returned)."""
+    import torch
+    import torch.distributed as dist
+
+    from dcp_ext import mcore_compat
+    from dcp_ext.data.progress import Progress
+    from dcp_ext.data.thd import build_micro_batch
+    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.engine import seed_rng_tracker
+    from dcp_ext.runtime.executor import StageRunner, localize
+    from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
+    from megatron.training.training import transformer_config_from_args  # lazy: CLI glue only
+
+    args = job.args
+    device = torch.device("cuda", rank) if job.cuda else None
+    mcore_compat.ensure_global_memory_buffer()
+    layouts = list(dict.fromkeys((p["tp"], p["cp"], p["pp"]) for p in job.points))
+    reps = {lay: ReplicaType(*lay, tuple(range(lay[0] * lay[1] * lay[2]))) for lay in layouts}
+    registry = GroupRegistry(list(reps.values()))  # collective: same order on every rank
+    vocab = min(args.padded_vocab_size, 256)
+    runs = len(job.points) * (job.repeats + job.warmup)
+    spans: list[list] = []
+    sync = torch.cuda.synchronize if job.cuda else (lambda: None)
+
+    with Progress(job.desc, total=runs, unit="run", enabled=job.progress and rank == 0) as bar:
+        for li, lay in enumerate(layouts):
+            rep = reps[lay]
+            idx = [i for i, p in enumerate(job.points) if (p["tp"], p["cp"], p["pp"]) == lay]
+            member = rank in rep.ranks
+            runner, mbs = None, {}
+            if member:
+                tp, cp, pp = lay
+                sp = bool(args.sequence_parallel) and tp > 1
+                config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                      pipeline_model_parallel_size=pp, sequence_parallel=sp)
+                tp_rank, cp_rank, pp_rank = rep.coords(rank)
+                model = build_gpt_model(config, args.padded_vocab_size, args.max_position_embeddings,
+                                        pp_rank == 0, pp_rank == pp - 1, pg_collection=registry.collection(rep),
+                                        position_embedding_type=args.position_embedding_type,
+                                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                                        rotary_base=args.rotary_base)
+                runner = StageRunner(model, config, rep, rank, config.num_layers)
+                seed_rng_tracker(job.seed, 0, tp_rank)
+                for i in idx:
+                    p = job.points[i]
+                    # every rank of the replica draws the same tokens
+                    gen = np.random.default_rng([job.seed, i])
+                    docs = [gen.integers(0, vocab, size=int(n)) for n in p["lengths"]]
+                    batch = build_micro_batch(docs, pad_each_to=2 * cp if cp > 1 else 1,
+                                              pad_total_to=tp * cp if sp else 1)
+                    mbs[i] = (localize(batch, cp, cp_rank, tp, sp, config.hidden_size, p["recompute_layers"], device),
+                              1.0 / max(batch.num_loss_tokens, 1))
+            order_rng = np.random.default_rng([job.seed, li])
+            rounds = [(-1 - w, list(idx)) for w in range(job.warmup)]
+            rounds += [(r, [idx[j] for j in order_rng.permutation(len(idx))]) for r in range(job.repeats)]
+            for r, order in rounds:
+                for i in order:
+                    if member:
+                        for prm in runner.model.parameters():
+                            prm.grad = None
+                    dist.barrier()
+                    if member:
+                        sync()
+                        t0 = time.perf_counter()
+                        mb, scale = mbs[i]
+                        runner.run([mb], scale)
+                        sync()
+                        t1 = time.perf_counter()
+                        if r >= 0:
+                            spans.append([i, r, t0, t1])
+                    bar.update(1, extra=f"tp{lay[0]}cp{lay[1]}pp{lay[2]}")
+            runner = mbs = None
+            if member:
+                del model
+    return spans
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_points(job: Job) -> list[Timing]:
+    """Spawn the ranks, time `job.points`, return one Timing per point (same order)."""
+    import torch.multiprocessing as mp
+
+    if not job.points:
+        return []
+    world = max(p["tp"] * p["cp"] * p["pp"] for p in job.points)
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_rank_main, args=(world, _free_port(), job, d), nprocs=world, start_method="spawn", join=True)
+        spans = []
+        for r in range(world):
+            with open(os.path.join(d, f"{r}.json")) as f:
+                spans += json.load(f)
+    per_run: dict[tuple[int, int], list[float]] = {}
+    for i, r, t0, t1 in spans:
+        got = per_run.setdefault((i, r), [math.inf, -math.inf])
+        got[0], got[1] = min(got[0], t0), max(got[1], t1)
+    out = [Timing(p) for p in job.points]
+    for (i, _), (t0, t1) in sorted(per_run.items()):
+        out[i].samples.append(t1 - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- the CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dcp-profile", allow_abbrev=False,
+        description="Time forward+backward micro-batches of a Megatron model over a grid of lengths and layouts, "
+                    "fit the cost model, save the profile. Other flags are Megatron's (or --yaml-cfg FILE).")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks available (CPU: gloo ranks, default 4; CUDA: GPUs, default all); also the cluster size "
+                        "the profile is for")
+    p.add_argument("--max-seq-len", type=int, default=None, help="longest micro-batch in the grid (default --dcp-max-seq-len)")
+    p.add_argument("--min-seq-len", type=int, default=32)
+    p.add_argument("--points", type=int, default=6, help="micro-batch lengths per layout, geometric from --min-seq-len")
+    p.add_argument("--docs-per-pack", default="1,2,4", help="documents packed per micro-batch (equal lengths)")
+    p.add_argument("--recompute", default="none,full", help="none, full or both (comma separated)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is recorded)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed passes over each layout's points first")
+    p.add_argument("--layouts", default=None,
+                   help="e.g. tp1cp1pp1,tp2cp1pp1,tp1cp2pp1,tp1cp1pp2 (default: every valid layout of at most "
+                        "min(nproc, cores) ranks)")
+    p.add_argument("--profile-layers", type=int, default=None,
+                   help="time a model with this many layers and extrapolate (DCP-style); default: all layers")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on the CPU")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="profile.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def megatron_args(argv: Sequence[str], world_size: int):
+    """Megatron's parsed arguments for the model flags (training-only flags filled in)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.global_vars import build_tokenizer
+
+    argv = list(argv)
+    if not any(a in argv for a in ("--data-path", "--mock-data", "--demo-corpus")):
+        argv.append("--mock-data")
+    args = parse_args(argv + _UNUSED_REQUIRED, world_size=world_size)
+    args.unpadded_vocab_size = build_tokenizer(args).vocab_size
+    return args
+
+
+def pad_vocab(args, tps: Sequence[int]) -> None:
+    """One padded vocabulary for every profiled TP size (as the --dcp training loop pads it)."""
+    from dcp_ext.data.tokenizers import padded_vocab_size
+
+    args.padded_vocab_size = padded_vocab_size(args.unpadded_vocab_size, args.make_vocab_size_divisible_by,
+                                               math.lcm(*tps))
+
+
+def model_name(argv: Sequence[str]) -> str:
+    argv = list(argv)
+    if "--yaml-cfg" in argv:
+        return os.path.splitext(os.path.basename(argv[argv.index("--yaml-cfg") + 1]))[0]
+    return "megatron-args"
+
+
+@dataclass
+class Setup:
+    ours: argparse.Namespace
+    args: argparse.Namespace  # Megatron's, for the model that is timed
+    spec: "object"  # ModelSpec of the model the profile is for (all layers)
+    timed: "object"  # CostModel of the timed model (fewer layers with --profile-layers)
+    cluster: "object"
+    layouts: list
+    cuda: bool
+
+
+def setup(argv: Sequence[str] | None = None) -> Setup:
+    """Parse our flags and Megatron's (the rest), choose the layouts, pad the vocabulary."""
+    import torch
+
+    from dcp_ext.cost_model import CostModel, Layout
+    from dcp_ext.specs import ClusterSpec, ModelSpec
+
+    ours, rest = build_parser().parse_known_args(argv)
+    cuda = torch.cuda.is_available()
+    nproc = ours.nproc or (torch.cuda.device_count() if cuda else 4)
+    args = megatron_args(rest, nproc)
+    pad_vocab(args, [1])
+    if cuda:
+        from megatron.training.training_dcp import cluster_for  # the cluster --dcp training would assume
+
+        cluster = cluster_for(nproc)
+    else:
+        cluster = ClusterSpec.cpu_gloo(nproc)
+    cm = CostModel(ModelSpec.from_megatron_args(args, name=model_name(rest)), cluster)
+    if ours.layouts:
+        layouts = parse_layouts(ours.layouts)
+        for lay in layouts:
+            if not cm.layout_valid(Layout(*lay)) or lay[0] * lay[1] * lay[2] > nproc:
+                raise SystemExit(f"--layouts: tp{lay[0]}cp{lay[1]}pp{lay[2]} is not valid for this model on {nproc} "
+                                 "ranks (heads and groups divisible by tp, layers by pp, tp*cp*pp <= --nproc)")
+    else:
+        layouts = default_layouts(cm, nproc if cuda else min(nproc, usable_cores()))
+    pad_vocab(args, [lay[0] for lay in layouts])
+    spec = ModelSpec.from_megatron_args(args, name=model_name(rest))
+    if ours.profile_layers:
+        if any(ours.profile_layers % lay[2] for lay in layouts):
+            raise SystemExit(f"--profile-layers {ours.profile_layers} is not divisible by every layout's pp")
+        args.num_layers = ours.profile_layers
+    timed = CostModel(ModelSpec.from_megatron_args(args, name=spec.name), cluster)
+    return Setup(ours, args, spec, timed, cluster, layouts, cuda)
+
+
+def grid(ours, cm, layouts, max_len: int) -> list[dict]:
+    from dcp_ext.profile import profile_grid
+
+    rc = tuple(r.strip() for r in ours.recompute.split(",") if r.strip())
+    if not rc or set(rc) - {"none", "full"}:
+        raise SystemExit(f"--recompute {ours.recompute!r}: expected none, full or none,full")
+    docs = tuple(int(k) for k in ours.docs_per_pack.split(","))
+    return profile_grid(cm, max_len, layouts=layouts, recompute=rc, points=ours.points, docs_per_pack=docs,
+                        min_len=ours.min_seq_len)
+
+
+def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
+    from dcp_ext.profile import evaluate_profile, fit_profile, split_holdout
+
+    spreads = [t.spread for t in timings]
+    print(f"{len(profile.records)} records, {len(profile.fits)} strategies; repeat spread (max-min)/median: "
+          f"median {100 * float(np.median(spreads)):.1f}%, worst {100 * max(spreads):.1f}%", file=out)
+    for key, f in sorted(profile.fits.items()):
+        print(f"  tp{key[0]}cp{key[1]}pp{key[2]} recompute {key[3]}: c0 {1e3 * f.c0:7.2f} ms  "
+              f"b {1e6 * f.b:7.2f} us/token  a {1e9 * f.a:7.3f} ns/token^2  c {1e3 * f.c:6.2f} ms/doc  "
+              f"fit rms {100 * f.rms_rel_err:4.1f}% on {f.n}", file=out)
+    fit, held = split_holdout(profile.records)
+    if held:
+        err = evaluate_profile(fit_profile(fit), held)
+        print(f"held-out lengths (refit without them): mean absolute error {err:.1f}% on {len(held)} records", file=out)
+
+
+def run_profile(st: Setup):
+    """Time the grid, fit, save. Returns (Profile, Timings)."""
+    from dcp_ext.profile import ProfileRecord, fit_profile
+
+    ours, args = st.ours, st.args
+    max_len = ours.max_seq_len or args.dcp_max_seq_len or args.seq_length
+    points = grid(ours, st.timed, st.layouts, max_len)
+    print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
+          f"{st.spec.hidden_size}), {st.cluster.name}, layouts {', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; "
+          f"{len(points)} micro-batches x ({ours.warmup} warm-up + {ours.repeats} timed)", file=sys.stderr, flush=True)
+    timings = time_points(Job(args, points, ours.repeats, ours.warmup, ours.seed, st.cuda, ours.threads, not ours.quiet))
+    records = [ProfileRecord(t.point["tp"], t.point["cp"], t.point["pp"], t.point["recompute_layers"],
+                             [int(n) for n in t.point["lengths"]], t.seconds, num_layers=args.num_layers)
+               for t in timings]
+    profile = fit_profile(records, model=st.spec.to_json(), cluster=st.cluster.to_json())
+    os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
+    profile.save(ours.out)
+    return profile, timings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    st = setup(argv)
+    profile, timings = run_profile(st)
+    summarize(profile, timings)
+    print(f"wrote {st.ours.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
