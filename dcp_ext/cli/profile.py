@@ -54,6 +54,7 @@ class Job:
     threads: int = 1
     progress: bool = True
     desc: str = "dcp-profile"
+    statistic: str = "median"  # of the repeats: "median", or "min" (the machine with no other load)
 
 
 @dataclass
@@ -61,9 +62,14 @@ class Timing:
     point: dict
     samples: list[float] = field(default_factory=list)  # seconds, one per repeat
 
+    statistic: str = "median"
+
     @property
     def seconds(self) -> float:
-        return float(np.median(self.samples))
+        return self.value(self.statistic)
+
+    def value(self, statistic: str) -> float:
+        return float(np.min(self.samples) if statistic == "min" else np.median(self.samples))
 
     @property
     def spread(self) -> float:
@@ -163,13 +169,13 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
                 config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
                                                       pipeline_model_parallel_size=pp, sequence_parallel=sp)
                 tp_rank, cp_rank, pp_rank = rep.coords(rank)
+                seed_rng_tracker(job.seed, 0, tp_rank)  # before the build: GPU init draws from it
                 model = build_gpt_model(config, args.padded_vocab_size, args.max_position_embeddings,
                                         pp_rank == 0, pp_rank == pp - 1, pg_collection=registry.collection(rep),
                                         position_embedding_type=args.position_embedding_type,
                                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                         rotary_base=args.rotary_base)
                 runner = StageRunner(model, config, rep, rank, config.num_layers)
-                seed_rng_tracker(job.seed, 0, tp_rank)
                 for i in idx:
                     p = job.points[i]
                     # every rank of the replica draws the same tokens
@@ -227,7 +233,7 @@ def time_points(job: Job) -> list[Timing]:
     for i, r, t0, t1 in spans:
         got = per_run.setdefault((i, r), [math.inf, -math.inf])
         got[0], got[1] = min(got[0], t0), max(got[1], t1)
-    out = [Timing(p) for p in job.points]
+    out = [Timing(p, statistic=job.statistic) for p in job.points]
     for (i, _), (t0, t1) in sorted(per_run.items()):
         out[i].samples.append(t1 - t0)
     return out
@@ -247,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points", type=int, default=6, help="micro-batch lengths per layout, geometric from --min-seq-len")
     p.add_argument("--docs-per-pack", default="1,2,4", help="documents packed per micro-batch (equal lengths)")
     p.add_argument("--recompute", default="none,full", help="none, full or both (comma separated)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is recorded)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point")
+    p.add_argument("--statistic", choices=["median", "min"], default="median",
+                   help="what a record keeps of its repeats: the median (default), or the fastest (what the machine "
+                        "does without other load, for a shared machine)")
     p.add_argument("--warmup", type=int, default=1, help="untimed passes over each layout's points first")
     p.add_argument("--layouts", default=None,
                    help="e.g. tp1cp1pp1,tp2cp1pp1,tp1cp2pp1,tp1cp1pp2 (default: every valid layout of at most "
@@ -364,9 +373,24 @@ def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
         print(f"held-out lengths (refit without them): mean absolute error {err:.1f}% on {len(held)} records", file=out)
 
 
+def job_for(st: Setup, points: list[dict], desc: str = "dcp-profile", seed_offset: int = 0) -> Job:
+    o = st.ours
+    return Job(st.args, points, o.repeats, o.warmup, o.seed + seed_offset, st.cuda, o.threads, not o.quiet, desc,
+               o.statistic)
+
+
+def records(timings: list[Timing], num_layers: int, statistic: str | None = None) -> list:
+    """ProfileRecords of timed grid points (each timing's own statistic unless one is named)."""
+    from dcp_ext.profile import ProfileRecord
+
+    return [ProfileRecord(t.point["tp"], t.point["cp"], t.point["pp"], t.point["recompute_layers"],
+                          [int(n) for n in t.point["lengths"]], t.value(statistic or t.statistic), num_layers=num_layers)
+            for t in timings]
+
+
 def run_profile(st: Setup):
     """Time the grid, fit, save. Returns (Profile, Timings)."""
-    from dcp_ext.profile import ProfileRecord, fit_profile
+    from dcp_ext.profile import fit_profile
 
     ours, args = st.ours, st.args
     max_len = ours.max_seq_len or args.dcp_max_seq_len or args.seq_length
@@ -374,11 +398,8 @@ def run_profile(st: Setup):
     print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
           f"{st.spec.hidden_size}), {st.cluster.name}, layouts {', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; "
           f"{len(points)} micro-batches x ({ours.warmup} warm-up + {ours.repeats} timed)", file=sys.stderr, flush=True)
-    timings = time_points(Job(args, points, ours.repeats, ours.warmup, ours.seed, st.cuda, ours.threads, not ours.quiet))
-    records = [ProfileRecord(t.point["tp"], t.point["cp"], t.point["pp"], t.point["recompute_layers"],
-                             [int(n) for n in t.point["lengths"]], t.seconds, num_layers=args.num_layers)
-               for t in timings]
-    profile = fit_profile(records, model=st.spec.to_json(), cluster=st.cluster.to_json())
+    timings = time_points(job_for(st, points))
+    profile = fit_profile(records(timings, args.num_layers), model=st.spec.to_json(), cluster=st.cluster.to_json())
     os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
     profile.save(ours.out)
     return profile, timings
