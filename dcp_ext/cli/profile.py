@@ -39,6 +39,8 @@ import numpy as np
 
 # Megatron flags that validation requires but profiling never uses.
 _UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4"]
+_NO_STATIC_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                     "--context-parallel-size", "1"]
 
 
 @dataclass
@@ -123,7 +125,10 @@ def _rank_main(rank: int, world: int, port: int, job: Job, result_dir: str) -> N
         from dcp_ext import cpu_compat
 
         cpu_compat.install()
-    dist.init_process_group("nccl" if job.cuda else "gloo", rank=rank, world_size=world)
+    if job.cuda:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     spans = _measure(rank, world, job)
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(spans, f)
@@ -175,6 +180,9 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
                                         position_embedding_type=args.position_embedding_type,
                                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                         rotary_base=args.rotary_base)
+                if device is not None:
+                    # dcp_ext.model's torch norms are built on the CPU even with CUDA (no TE)
+                    model = model.to(device)
                 runner = StageRunner(model, config, rep, rank, config.num_layers)
                 for i in idx:
                     p = job.points[i]
@@ -272,13 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def megatron_args(argv: Sequence[str], world_size: int):
     """Megatron's parsed arguments for the model flags (training-only flags filled in)."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import ArgumentError, parse_args
     from megatron.training.global_vars import build_tokenizer
 
     argv = list(argv)
     if not any(a in argv for a in ("--data-path", "--mock-data", "--demo-corpus")):
         argv.append("--mock-data")
-    args = parse_args(argv + _UNUSED_REQUIRED, world_size=world_size)
+    try:
+        args = parse_args(argv + _UNUSED_REQUIRED, world_size=world_size)
+    except ArgumentError as e:
+        if not str(e).startswith("world size"):
+            raise
+        # the config's static TP/PP/CP (e.g. the demo's TP2) need not fit the ranks here:
+        # the profile picks its own layouts
+        args = parse_args(argv + _UNUSED_REQUIRED + _NO_STATIC_LAYOUT, world_size=world_size)
     args.unpadded_vocab_size = build_tokenizer(args).vocab_size
     return args
 
