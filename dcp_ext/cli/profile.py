@@ -75,8 +75,11 @@ class Timing:
 
     @property
     def spread(self) -> float:
-        """(max - min) / median of the repeats: the noise of this point."""
-        return float((max(self.samples) - min(self.samples)) / self.seconds) if len(self.samples) > 1 else 0.0
+        """Interquartile range / median of the repeats: the noise of this point."""
+        if len(self.samples) < 2:
+            return 0.0
+        q1, q2, q3 = np.percentile(self.samples, [25, 50, 75])
+        return float((q3 - q1) / q2)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -261,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points", type=int, default=6, help="micro-batch lengths per layout, geometric from --min-seq-len")
     p.add_argument("--docs-per-pack", default="1,2,4", help="documents packed per micro-batch (equal lengths)")
     p.add_argument("--recompute", default="none,full", help="none, full or both (comma separated)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per point")
     p.add_argument("--statistic", choices=["median", "min"], default="median",
                    help="what a record keeps of its repeats: the median (default), or the fastest (what the machine "
                         "does without other load, for a shared machine)")
@@ -376,7 +379,7 @@ def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
     from dcp_ext.profile import evaluate_profile, fit_profile, split_holdout
 
     spreads = [t.spread for t in timings]
-    print(f"{len(profile.records)} records, {len(profile.fits)} strategies; repeat spread (max-min)/median: "
+    print(f"{len(profile.records)} records, {len(profile.fits)} strategies; repeat spread (IQR/median): "
           f"median {100 * float(np.median(spreads)):.1f}%, worst {100 * max(spreads):.1f}%", file=out)
     for key, f in sorted(profile.fits.items()):
         print(f"  tp{key[0]}cp{key[1]}pp{key[2]} recompute {key[3]}: c0 {1e3 * f.c0:7.2f} ms  "
@@ -425,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     st = setup(argv)
     profile, timings = run_profile(st)
     summarize(profile, timings)
-    print(f"wrote {st.ours.out} ({time.perf_counter() - t0:.0f} s)")
+    print(f"wrote {st.ours.out} ({time.perf_counter() - t0:.0f} s); use it with --dcp-cost-profile or dcp-plan --profile")
     return 0
 
 
