@@ -18,7 +18,9 @@ How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL)
     last rank's end minus the first rank's start (one monotonic clock per machine);
   * per layout: `--warmup` untimed passes over its points, then `--repeats` rounds in a
     shuffled order (slow spells of a shared machine spread over points instead of
-    biasing one); a record's seconds is the median of its rounds.
+    biasing one); a record's seconds is the median of its rounds (`--statistic min`: the
+    fastest, i.e. the machine without the other tenants of a shared box).
+  * waiting ranks block in gloo without spinning, so they take no core from the timed ones.
 Megatron's arguments are parsed by `megatron.training.arguments` (imported lazily: the
 `dcp_ext` package itself never imports `megatron.training`).
 """
@@ -49,7 +51,7 @@ class Job:
 
     args: argparse.Namespace  # parsed Megatron arguments (padded_vocab_size set)
     points: list[dict]  # tp, cp, pp, recompute_layers, lengths (profile_grid's dicts)
-    repeats: int = 3
+    repeats: int = 5
     warmup: int = 1
     seed: int = 1234
     cuda: bool = False
@@ -62,8 +64,7 @@ class Job:
 @dataclass
 class Timing:
     point: dict
-    samples: list[float] = field(default_factory=list)  # seconds, one per repeat
-
+    samples: list[float] = field(default_factory=list)  # seconds, one per repeat, in round order
     statistic: str = "median"
 
     @property
@@ -124,13 +125,11 @@ def _rank_main(rank: int, world: int, port: int, job: Job, result_dir: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     if job.cuda:
         torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     else:
         from dcp_ext import cpu_compat
 
         cpu_compat.install()
-    if job.cuda:
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     spans = _measure(rank, world, job)
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
@@ -139,63 +138,66 @@ def _rank_main(rank: int, world: int, port: int, job: Job, result_dir: str) -> N
     dist.destroy_process_group()
 
 
+def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
+    """This rank's stage model of replica `rep` (the runtime's builder and runner) and its
+    share of every micro-batch in `idx`: {point index: (LocalMicroBatch, loss scale)}."""
+    from dcp_ext.data.thd import build_micro_batch
+    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.engine import seed_rng_tracker
+    from dcp_ext.runtime.executor import StageRunner, localize
+    from megatron.training.training import transformer_config_from_args  # lazy: CLI glue only
+
+    args = job.args
+    tp, cp, pp = rep.tp, rep.cp, rep.pp
+    sp = bool(args.sequence_parallel) and tp > 1
+    config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                          pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    tp_rank, cp_rank, pp_rank = rep.coords(rank)
+    seed_rng_tracker(job.seed, 0, tp_rank)  # before the build: GPU init draws from it
+    model = build_gpt_model(config, args.padded_vocab_size, args.max_position_embeddings, pp_rank == 0,
+                            pp_rank == pp - 1, pg_collection=registry.collection(rep),
+                            position_embedding_type=args.position_embedding_type,
+                            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                            rotary_base=args.rotary_base)
+    if device is not None:
+        model = model.to(device)  # dcp_ext.model's torch norms are built on the CPU even with CUDA (no TE)
+    runner = StageRunner(model, config, rep, rank, config.num_layers)
+    vocab = min(args.padded_vocab_size, 256)
+    mbs = {}
+    for i in idx:
+        p = job.points[i]
+        gen = np.random.default_rng([job.seed, i])  # every rank of the replica draws the same tokens
+        docs = [gen.integers(0, vocab, size=int(n)) for n in p["lengths"]]
+        batch = build_micro_batch(docs, pad_each_to=2 * cp if cp > 1 else 1, pad_total_to=tp * cp if sp else 1)
+        mbs[i] = (localize(batch, cp, cp_rank, tp, sp, config.hidden_size, p["recompute_layers"], device),
+                  1.0 / max(batch.num_loss_tokens, 1))
+    return runner, mbs
+
+
 def _measure(rank: int, world: int, job: Job) -> list[list]:
     """Time every point on this rank. Returns [point index, round, t_start, t_end] per timed
-    run this rank took part in (rounds < 0 are warm-up, not returned)."""
+    run this rank took part in (warm-up rounds are not returned)."""
     import torch
     import torch.distributed as dist
 
     from dcp_ext import mcore_compat
     from dcp_ext.data.progress import Progress
-    from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.model import build_gpt_model
-    from dcp_ext.runtime.engine import seed_rng_tracker
-    from dcp_ext.runtime.executor import StageRunner, localize
     from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
-    from megatron.training.training import transformer_config_from_args  # lazy: CLI glue only
 
-    args = job.args
     device = torch.device("cuda", rank) if job.cuda else None
+    sync = torch.cuda.synchronize if job.cuda else (lambda: None)
     mcore_compat.ensure_global_memory_buffer()
     layouts = list(dict.fromkeys((p["tp"], p["cp"], p["pp"]) for p in job.points))
     reps = {lay: ReplicaType(*lay, tuple(range(lay[0] * lay[1] * lay[2]))) for lay in layouts}
     registry = GroupRegistry(list(reps.values()))  # collective: same order on every rank
-    vocab = min(args.padded_vocab_size, 256)
-    runs = len(job.points) * (job.repeats + job.warmup)
     spans: list[list] = []
-    sync = torch.cuda.synchronize if job.cuda else (lambda: None)
-
+    runs = len(job.points) * (job.repeats + job.warmup)
     with Progress(job.desc, total=runs, unit="run", enabled=job.progress and rank == 0) as bar:
         for li, lay in enumerate(layouts):
             rep = reps[lay]
             idx = [i for i, p in enumerate(job.points) if (p["tp"], p["cp"], p["pp"]) == lay]
             member = rank in rep.ranks
-            runner, mbs = None, {}
-            if member:
-                tp, cp, pp = lay
-                sp = bool(args.sequence_parallel) and tp > 1
-                config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                      pipeline_model_parallel_size=pp, sequence_parallel=sp)
-                tp_rank, cp_rank, pp_rank = rep.coords(rank)
-                seed_rng_tracker(job.seed, 0, tp_rank)  # before the build: GPU init draws from it
-                model = build_gpt_model(config, args.padded_vocab_size, args.max_position_embeddings,
-                                        pp_rank == 0, pp_rank == pp - 1, pg_collection=registry.collection(rep),
-                                        position_embedding_type=args.position_embedding_type,
-                                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                                        rotary_base=args.rotary_base)
-                if device is not None:
-                    # dcp_ext.model's torch norms are built on the CPU even with CUDA (no TE)
-                    model = model.to(device)
-                runner = StageRunner(model, config, rep, rank, config.num_layers)
-                for i in idx:
-                    p = job.points[i]
-                    # every rank of the replica draws the same tokens
-                    gen = np.random.default_rng([job.seed, i])
-                    docs = [gen.integers(0, vocab, size=int(n)) for n in p["lengths"]]
-                    batch = build_micro_batch(docs, pad_each_to=2 * cp if cp > 1 else 1,
-                                              pad_total_to=tp * cp if sp else 1)
-                    mbs[i] = (localize(batch, cp, cp_rank, tp, sp, config.hidden_size, p["recompute_layers"], device),
-                              1.0 / max(batch.num_loss_tokens, 1))
+            runner, mbs = _stage(rank, rep, registry, job, idx, device) if member else (None, {})
             order_rng = np.random.default_rng([job.seed, li])
             rounds = [(-1 - w, list(idx)) for w in range(job.warmup)]
             rounds += [(r, [idx[j] for j in order_rng.permutation(len(idx))]) for r in range(job.repeats)]
@@ -208,16 +210,13 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
                     if member:
                         sync()
                         t0 = time.perf_counter()
-                        mb, scale = mbs[i]
-                        runner.run([mb], scale)
+                        runner.run([mbs[i][0]], mbs[i][1])
                         sync()
                         t1 = time.perf_counter()
                         if r >= 0:
                             spans.append([i, r, t0, t1])
                     bar.update(1, extra=f"tp{lay[0]}cp{lay[1]}pp{lay[2]}")
-            runner = mbs = None
-            if member:
-                del model
+            del runner, mbs
     return spans
 
 
