@@ -30,6 +30,9 @@ step "single GPU, local layers" python pretrain_gpt_dcp.py "${COMMON[@]}" --tran
 if python -c "import transformer_engine" 2>/dev/null; then
   step "single GPU, transformer-engine layers" python pretrain_gpt_dcp.py "${COMMON[@]}" --transformer-impl transformer_engine --loss-log "$OUT/te.jsonl"
 fi
+step "single GPU, --dcp adaptive (one-rank layouts)" python pretrain_gpt_dcp.py "${COMMON[@]}" --dcp \
+    --dcp-global-batch-tokens 16384 --dcp-max-seq-len 1024 --loss-log "$OUT/dcp.jsonl"
+step "memory: measured vs predicted per micro-batch" python scripts/gpu_memory_check.py "${COMMON[@]}"
 if [ "$NGPU" -ge 2 ]; then
   step "2 GPUs, TP2 (NCCL)" torchrun --standalone --nproc_per_node 2 pretrain_gpt_dcp.py "${COMMON[@]}" --tensor-model-parallel-size 2 --sequence-parallel
   step "2 GPUs, CP2 (NCCL)" torchrun --standalone --nproc_per_node 2 pretrain_gpt_dcp.py "${COMMON[@]}" --context-parallel-size 2

@@ -150,6 +150,21 @@ class AdaptivePlanner(PlannerBase):
         self._current = None
         self._last_index = None
 
+    def state_dict(self) -> dict:
+        """The layout the switching rule stays with, as its place in the pool (and the pool,
+        which a run on another cluster does not share)."""
+        current = None if self._current is None else self.pool.layouts.index(self._current)
+        return {"current": current, "last_index": self._last_index,
+                "pool": [describe(c) for c in self.pool.layouts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("pool") != [describe(c) for c in self.pool.layouts]:
+            self.reset()  # another pool (world size, model, data): nothing to stay with
+            return
+        current = state.get("current")
+        self._current = None if current is None else self.pool.layouts[current]
+        self._last_index = state.get("last_index")
+
     # ------------------------------------------------------------------ per iteration
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
         s = self._check_input(sample_ids, lengths)

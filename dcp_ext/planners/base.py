@@ -60,6 +60,14 @@ class PlannerBase:
     def describe(self) -> str:
         return self.name
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to plan the next iterations exactly as an unbroken one
+        (checkpointed with the model). Stateless planners: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     # -------------------------------------------------------------- helpers
     def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
         seen = set(self._types)

@@ -28,7 +28,7 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
     return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
 
 
-def save(args, iteration: int, consumed_samples: int, engine, scheduler) -> None:
+def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
     avg, avg_sq, step = engine.optimizer.moments()
     full = {
         "param": engine.exchange.allgather(engine.optimizer.master()),
@@ -52,12 +52,13 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler) -> None
         "consumed_train_samples": consumed_samples,
         "adam_step": step,
         "opt_param_scheduler": scheduler.state_dict(),
+        "planner_state": planner_state,
         "canonical": [(t.name, list(t.shape)) for t in engine.space.tensors.values()],
     })
     ckpt.save_sharded_atomic(args.save, iteration, state)
 
 
-def load(args, engine, scheduler) -> tuple[int, int]:
+def load(args, engine, scheduler, planner) -> tuple[int, int]:
     from megatron.core import dist_checkpointing
 
     found = ckpt.resolve_load_dir(args)
@@ -94,5 +95,6 @@ def load(args, engine, scheduler) -> tuple[int, int]:
     dist.barrier()
     if args.finetune:
         return 0, 0
+    planner.load_state_dict(common.get("planner_state") or {})
     print_rank_0(f"  loaded adaptive checkpoint from {path} at iteration {common['iteration']}")
     return common["iteration"], common["consumed_train_samples"]

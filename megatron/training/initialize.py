@@ -34,7 +34,20 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
+
+
+def _restart_safe_store(timeout) -> dict:
+    """Under torchrun, a restarted worker group (--max-restarts) reuses the agent's store,
+    and gloo then reads the dead attempt's addresses (connectFullMesh: connection refused,
+    torch 2.13). Namespace the keys by restart count so every attempt rendezvous afresh."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"dcp/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def initialize_model_parallel(args) -> None:

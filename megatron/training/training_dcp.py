@@ -79,6 +79,19 @@ def build_planner(args, train_ds):
     )
 
 
+def check_memory(planner, it, batch) -> None:
+    """The planner promises every micro-batch fits (device memory less --dcp-memory-margin);
+    check the promise before running it, so a planning bug is an error, not an OOM."""
+    from dcp_ext.simulator import simulate_iteration
+
+    result = simulate_iteration(planner.cm, it, dict(zip(batch.sample_ids, batch.lengths)))
+    if not result.memory_ok:
+        from megatron.training.training import TrainingError
+
+        raise TrainingError(f"iteration {it.index}: the plan needs {result.peak_memory_fraction:.0%} of device memory, "
+                            "over the budget: raise --dcp-memory-margin headroom or report this planner bug")
+
+
 def evaluate(args, engine, planner, valid_ds) -> float:
     """Per-token loss over the first --eval-iters global batches of the validation split."""
     from dcp_ext.data.batches import GlobalBatchStream
@@ -131,7 +144,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     scheduler = build_scheduler(args, engine.optimizer)
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = checkpointing_dcp.load(args, engine, scheduler)
+        iteration, consumed = checkpointing_dcp.load(args, engine, scheduler, planner)
     stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, consumed_samples=consumed)
     logger = TrainingLogger(args)
     eod = args.eod_token
@@ -146,15 +159,18 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
 
     upcoming = None
     window_layouts = Counter()
+    start_iteration, planner_state = iteration, planner.state_dict()
     while iteration < args.train_iters:
         start = time.perf_counter()
         batch = stream.next()
         it, plan_s = upcoming.result() if upcoming is not None else plan(iteration, batch)
         if list(it.sample_ids) != list(batch.sample_ids):
             raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
+        planner_state = planner.state_dict()  # as of this iteration's plan, before the next is made
         ahead = stream.peek(1)
         upcoming = planning.submit(plan, iteration + 1, ahead[0]) if ahead and iteration + 1 < args.train_iters else None
         validate_iteration(it, args.world_size, args.num_layers, args.num_attention_heads, args.num_query_groups)
+        check_memory(planner, it, batch)
         rep = engine.my_replica(it)
         each, total = engine.padding_for(replica_type_of(rep))
         batches = [materialize(train_ds, mb.sample_ids, pad_each_to=each, pad_total_to=total,
@@ -193,12 +209,13 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler)
+            checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler, planner_state)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
     planning.shutdown(wait=True)
-    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler)
+    just_saved = args.save_interval and iteration % args.save_interval == 0
+    if args.save and iteration > start_iteration and not just_saved:
+        checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler, planner_state)
     logger.close()
     dist.barrier()
     return history
