@@ -180,6 +180,7 @@ def pretrain(
     Returns the list of (iteration, lm loss) logged, for tests and tools.
     """
     from dcp_ext.data.errors import DataError
+    from dcp_ext.planners.common import PlanningError
 
     try:
         args = parse_args(argv)
@@ -189,7 +190,7 @@ def pretrain(
     try:
         return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                          document_datasets_provider)
-    except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError) as e:
+    except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError, PlanningError) as e:
         _report_error_and_exit(str(e))
 
 
