@@ -16,9 +16,11 @@ How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL)
   * per run: world barrier, then every replica rank times `StageRunner.run([mb])` (1F1B
     of one micro-batch = every stage's forward then backward); the run's time is the
     last rank's end minus the first rank's start (one monotonic clock per machine);
-  * per layout: `--warmup` untimed passes over its points, then `--repeats` rounds in a
-    shuffled order (slow spells of a shared machine spread over points instead of
-    biasing one); a record's seconds is the median of its rounds (`--statistic min`: the
+  * every layout's stage models are built up front (as the engine holds them); after
+    `--warmup` untimed passes, each of the `--repeats` rounds times every point in a fresh
+    random order across layouts, so a slow spell of a shared machine spreads over points
+    and layouts instead of biasing one layout against another (what the planner compares);
+    a record's seconds is the median of its rounds (`--statistic min`: the
     fastest, i.e. the machine without the other tenants of a shared box).
   * waiting ranks block in gloo without spinning, so they take no core from the timed ones.
 Megatron's arguments are parsed by `megatron.training.arguments` (imported lazily: the
@@ -187,36 +189,37 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
     device = torch.device("cuda", rank) if job.cuda else None
     sync = torch.cuda.synchronize if job.cuda else (lambda: None)
     mcore_compat.ensure_global_memory_buffer()
-    layouts = list(dict.fromkeys((p["tp"], p["cp"], p["pp"]) for p in job.points))
-    reps = {lay: ReplicaType(*lay, tuple(range(lay[0] * lay[1] * lay[2]))) for lay in layouts}
+    layout_of = [(p["tp"], p["cp"], p["pp"]) for p in job.points]
+    reps = {lay: ReplicaType(*lay, tuple(range(lay[0] * lay[1] * lay[2]))) for lay in dict.fromkeys(layout_of)}
     registry = GroupRegistry(list(reps.values()))  # collective: same order on every rank
+    # every layout's stage at once (as the engine holds them), so rounds can mix layouts
+    stages = {}
+    for lay, rep in reps.items():
+        if rank in rep.ranks:
+            stages[lay] = _stage(rank, rep, registry, job, [i for i, l in enumerate(layout_of) if l == lay], device)
+    n = len(job.points)
+    order_rng = np.random.default_rng(job.seed)
+    rounds = [(-1 - w, list(range(n))) for w in range(job.warmup)]
+    rounds += [(r, order_rng.permutation(n).tolist()) for r in range(job.repeats)]
     spans: list[list] = []
-    runs = len(job.points) * (job.repeats + job.warmup)
-    with Progress(job.desc, total=runs, unit="run", enabled=job.progress and rank == 0) as bar:
-        for li, lay in enumerate(layouts):
-            rep = reps[lay]
-            idx = [i for i, p in enumerate(job.points) if (p["tp"], p["cp"], p["pp"]) == lay]
-            member = rank in rep.ranks
-            runner, mbs = _stage(rank, rep, registry, job, idx, device) if member else (None, {})
-            order_rng = np.random.default_rng([job.seed, li])
-            rounds = [(-1 - w, list(idx)) for w in range(job.warmup)]
-            rounds += [(r, [idx[j] for j in order_rng.permutation(len(idx))]) for r in range(job.repeats)]
-            for r, order in rounds:
-                for i in order:
-                    if member:
-                        for prm in runner.model.parameters():
-                            prm.grad = None
-                    dist.barrier()
-                    if member:
-                        sync()
-                        t0 = time.perf_counter()
-                        runner.run([mbs[i][0]], mbs[i][1])
-                        sync()
-                        t1 = time.perf_counter()
-                        if r >= 0:
-                            spans.append([i, r, t0, t1])
-                    bar.update(1, extra=f"tp{lay[0]}cp{lay[1]}pp{lay[2]}")
-            del runner, mbs
+    with Progress(job.desc, total=n * len(rounds), unit="run", enabled=job.progress and rank == 0) as bar:
+        for r, order in rounds:
+            for i in order:
+                stage = stages.get(layout_of[i])
+                if stage is not None:
+                    for prm in stage[0].model.parameters():
+                        prm.grad = None
+                dist.barrier()
+                if stage is not None:
+                    runner, (mb, scale) = stage[0], stage[1][i]
+                    sync()
+                    t0 = time.perf_counter()
+                    runner.run([mb], scale)
+                    sync()
+                    t1 = time.perf_counter()
+                    if r >= 0:
+                        spans.append([i, r, t0, t1])
+                bar.update(1, extra="warm-up" if r < 0 else f"round {r + 1}/{job.repeats}")
     return spans
 
 
