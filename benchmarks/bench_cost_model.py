@@ -119,20 +119,6 @@ def mae(rows: list[dict], key: str) -> float:
     return 100 * float(np.mean([r[key] for r in rows]))
 
 
-def noise_floor(rows: list[dict]) -> float:
-    """Roughly what a perfect model would score against these measurements. The medians of
-    the even and of the odd repeats of a micro-batch (timed at different moments) differ
-    by measurement noise alone; each half has half the samples, so the gap is about twice
-    the noise of the full median: half the mean relative gap estimates the noise's share
-    of the error."""
-    gaps = []
-    for r in rows:
-        x = r["samples_s"]
-        if len(x) >= 2:
-            gaps.append(abs(np.median(x[0::2]) - np.median(x[1::2])) / np.median(x))
-    return 50 * float(np.mean(gaps)) if gaps else 0.0
-
-
 def report(st, rows: list[dict], mode: str, elapsed: float, loads: tuple[str, str]) -> dict:
     print(f"# bench_cost_model: {st.spec.name} ({st.spec.num_layers} layers, hidden {st.spec.hidden_size}, "
           f"vocab {st.spec.vocab_size}) on {st.cluster.name}")
@@ -156,13 +142,12 @@ def report(st, rows: list[dict], mode: str, elapsed: float, loads: tuple[str, st
     mae_p, mae_a = mae(rows, "err_profiled"), mae(rows, "err_analytic")
     spread = 100 * float(np.median([r["spread"] for r in rows]))
     print(f"{'overall':16s} {len(rows):3d} {mae_p:11.1f}% {mae_a:11.1f}% {spread:12.0f}%")
-    floor = noise_floor(rows)
     print(f"held-out mean absolute error: profiled {mae_p:.1f}% (goal <= 15%), analytic {mae_a:.1f}%; "
-          f"repeat spread (IQR/median): median {spread:.0f}%; measurement noise alone ~{floor:.1f}%")
+          f"repeat spread (IQR/median): median {spread:.0f}%")
     return dict(model=st.spec.name, cluster=st.cluster.name, machine=machine(), mode=mode, repeats=st.ours.repeats,
                 statistic=st.ours.statistic,
                 load=list(loads), mae_profiled_pct=mae_p, mae_analytic_pct=mae_a, median_spread_pct=spread,
-                noise_floor_pct=floor, rows=rows)
+                rows=rows)
 
 
 def main(argv=None) -> int:
