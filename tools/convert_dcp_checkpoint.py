@@ -10,7 +10,7 @@ TP/PP the model allows:
     python tools/convert_dcp_checkpoint.py --load DCP_DIR [--iteration N] --save OUT \
         --tensor-model-parallel-size T --pipeline-model-parallel-size P [model flags | --yaml-cfg F]
 
-How: T*P gloo ranks on the CPU (spawned by this script, or the ranks of a
+How: T*P gloo ranks on the CPU, GPUs hidden (spawned by this script, or the ranks of a
 `torchrun --nproc_per_node T*P` launch) initialise megatron-core's parallel state at
 (T, P), build their GPTModel stage with `pretrain_gpt_dcp.model_provider` (the static
 path's model), map every local parameter into the canonical space with
@@ -388,6 +388,9 @@ def run_spawned(path: str, iteration: int, args) -> None:
 
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
+    # An export is a CPU job on gloo ranks, on any machine: hide GPUs before torch loads, so
+    # megatron-core takes the same (CPU-redirected) path it is tested on here.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _quiet()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # spawned ranks start quiet too
     from megatron.training.arguments import ArgumentError
