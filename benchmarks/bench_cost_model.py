@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 from dcp_ext.cli import profile as harness  # noqa: E402
 from dcp_ext.cost_model import CostModel, Layout  # noqa: E402
 from dcp_ext.profile import Profile, fit_profile  # noqa: E402
+from dcp_ext.specs import ModelSpec  # noqa: E402
 
 
 def machine() -> str:
@@ -150,6 +151,42 @@ def report(st, rows: list[dict], mode: str, elapsed: float, loads: tuple[str, st
                 rows=rows)
 
 
+def sequential(st, given: Profile | None):
+    """A profile (given, or dcp-profile now), then the held-out set timed in a new session."""
+    if given is None:
+        given, _ = harness.run_profile(st)
+        mode = f"sequential (dcp-profile -> {st.ours.out}, then held-out)"
+    else:
+        mode = "sequential (a given profile, then held-out)"
+        if given.model and ModelSpec.from_json(given.model).to_json() != st.spec.to_json():
+            print(f"warning: the profile was made for {given.model.get('name')} {given.model}, not {st.spec}",
+                  file=sys.stderr)
+    fitted = [dict(tp=r.tp, cp=r.cp, pp=r.pp, recompute_layers=r.recompute_layers, lengths=r.lengths)
+              for r in given.records]
+    keys = [k for k in sorted(given.fits) if tuple(k[:3]) in set(map(tuple, st.layouts))]
+    held_pts = held_out_points(keys, fitted)
+    held = harness.time_points(harness.job_for(st, held_pts, "held-out", seed_offset=1))
+    return given, held, mode
+
+
+def interleaved(st):
+    """Grid and held-out points in the same shuffled rounds of one session; fit on the grid."""
+    max_len = st.ours.max_seq_len or st.args.dcp_max_seq_len or st.args.seq_length
+    grid = harness.grid(st.ours, st.timed, st.layouts, max_len)
+    keys = sorted({(p["tp"], p["cp"], p["pp"], p["recompute_layers"]) for p in grid})
+    held_pts = held_out_points(keys, grid)
+    print(f"bench_cost_model: {len(grid)} grid + {len(held_pts)} held-out micro-batches x ({st.ours.warmup} warm-up "
+          f"+ {st.ours.repeats} timed)", file=sys.stderr, flush=True)
+    timings = harness.time_points(harness.job_for(st, grid + held_pts, "bench"))
+    fit_t, held = timings[: len(grid)], timings[len(grid):]
+    profile = fit_profile(harness.records(fit_t, st.args.num_layers), model=st.spec.to_json(),
+                          cluster=st.cluster.to_json())
+    os.makedirs(os.path.dirname(os.path.abspath(st.ours.out)), exist_ok=True)
+    profile.save(st.ours.out)
+    print(f"profile fitted on the grid only: {st.ours.out}", file=sys.stderr)
+    return profile, held, fit_t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--profile", default=None, help="use this dcp-profile file instead of profiling now")
@@ -160,41 +197,20 @@ def main(argv=None) -> int:
         rest += ["--yaml-cfg", os.path.join(REPO, "examples", "cpu_demo.yaml")]
     if "--out" not in rest:
         rest += ["--out", os.path.join(REPO, "cache", "profile-bench.json")]
-    if ours.profile:
-        given = Profile.load(ours.profile)
-        if "--layouts" not in rest:
-            rest += ["--layouts", ",".join(sorted({f"tp{k[0]}cp{k[1]}pp{k[2]}" for k in given.fits}))]
+    given = Profile.load(ours.profile) if ours.profile else None
+    if given is not None and "--layouts" not in rest:
+        rest += ["--layouts", ",".join(sorted({f"tp{k[0]}cp{k[1]}pp{k[2]}" for k in given.fits}))]
     st = harness.setup(rest)
     loads0, t0 = load(), time.perf_counter()
-    if ours.profile or ours.mode == "sequential":
-        if ours.profile:
-            profile, mode = given, f"sequential (profile {ours.profile})"
-            if given.model and given.model.get("num_layers") not in (None, st.spec.num_layers):
-                print(f"warning: {ours.profile} was made for {given.model.get('name')}, not {st.spec.name}", file=sys.stderr)
-        else:
-            profile, _ = harness.run_profile(st)
-            mode = f"sequential (dcp-profile -> {st.ours.out}, then held-out)"
-        fitted = [dict(tp=r.tp, cp=r.cp, pp=r.pp, recompute_layers=r.recompute_layers, lengths=r.lengths)
-                  for r in profile.records]
-        held_pts = held_out_points(sorted(profile.fits), fitted)
-        held = harness.time_points(harness.job_for(st, held_pts, "held-out", seed_offset=1))
+    if given is not None or ours.mode == "sequential":
+        profile, held, mode = sequential(st, given)
+        if given is not None:
+            mode = f"sequential (profile {ours.profile})"
     else:
+        profile, held, fit_t = interleaved(st)
         mode = "interleaved (grid and held-out in the same shuffled rounds; fit on the grid only)"
-        max_len = st.ours.max_seq_len or st.args.dcp_max_seq_len or st.args.seq_length
-        grid = harness.grid(st.ours, st.timed, st.layouts, max_len)
-        keys = sorted({(p["tp"], p["cp"], p["pp"], p["recompute_layers"]) for p in grid})
-        held_pts = held_out_points(keys, grid)
-        print(f"bench_cost_model: {len(grid)} grid + {len(held_pts)} held-out micro-batches x ({st.ours.warmup} warm-up "
-              f"+ {st.ours.repeats} timed)", file=sys.stderr, flush=True)
-        timings = harness.time_points(harness.job_for(st, grid + held_pts, "bench"))
-        fit_t, held = timings[: len(grid)], timings[len(grid):]
-        profile = fit_profile(harness.records(fit_t, st.args.num_layers), model=st.spec.to_json(),
-                              cluster=st.cluster.to_json())
-        os.makedirs(os.path.dirname(os.path.abspath(st.ours.out)), exist_ok=True)
-        profile.save(st.ours.out)
-        print(f"profile fitted on the grid only: {st.ours.out}", file=sys.stderr)
     result = report(st, compare(st, profile, held), mode, time.perf_counter() - t0, (loads0, load()))
-    if not (ours.profile or ours.mode == "sequential"):
+    if given is None and ours.mode == "interleaved":
         # the same session's samples summarised the other way: how much of the error is load
         other = "min" if st.ours.statistic == "median" else "median"
         alt = fit_profile(harness.records(fit_t, st.args.num_layers, other), model=st.spec.to_json(),
