@@ -30,10 +30,12 @@ class TorchNorm:
     """LayerNorm/RMSNorm from torch whose parameters carry the `sequence_parallel` flag."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        # on a GPU without transformer-engine the rest of the model is built on the device
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         else:
             raise ValueError(f"unsupported --normalization {config.normalization!r}: use LayerNorm or RMSNorm")
         for p in norm.parameters():
