@@ -216,9 +216,7 @@ CASES = [
     Case("yaml-missing-file", ["--yaml-cfg", "{bad}/nope.yaml"], "nope.yaml: no such file", code=2),
     Case("yaml-bad-value", ["--yaml-cfg", "{bad}/bad_value.yaml", "--drop", "--hidden-size"],
          "invalid int value: 'sixty'", code=2),
-    Case("yaml-list-for-int", ["--yaml-cfg", "{bad}/list_value.yaml", "--drop", "--num-layers"], "num-layers", code=2,
-         bug="a YAML list where a number belongs passes argparse (defaults are not type-converted) and ends in "
-             "TypeError: unsupported operand type(s) for %: 'list' and 'int' (arguments.validate_args)"),
+    Case("yaml-list-for-int", ["--yaml-cfg", "{bad}/list_value.yaml", "--drop", "--num-layers"], "num-layers", code=2),
     # data files
     Case("data-missing-prefix", ["--data-path", "{bad}/nope_text_document"], "no dataset at"),
     Case("data-missing-bin", ["--data-path", "{bad}/only_idx_text_document"], "only_idx_text_document.bin not found"),
@@ -230,9 +228,7 @@ CASES = [
     Case("data-vocab-mismatch-dcp", ["--vocab-size", "100"], "vocabulary mismatch", base="dcp"),
     Case("data-empty-dcp", ["--data-path", "{bad}/empty_text_document"], "empty_text_document is empty", base="dcp"),
     Case("data-split-without-documents", ["--split", "969,30,1", "--eval-iters", "1", "--eval-interval", "1"],
-         "split", timeout=40,
-         bug="static path: a --split part with no document (small corpus, default 969,30,1) hangs for ever in "
-             "megatron-core GPTDataset._get_num_epochs (tokens per epoch 0); nothing is printed"),
+         "split", timeout=40),
     # --dcp
     Case("dcp-no-batch-tokens", ["--dcp", "--train-iters", "1"], "--dcp needs --dcp-global-batch-tokens", code=2),
     Case("dcp-max-seq-above-batch", ["--dcp-max-seq-len", "1024", "--dcp-global-batch-tokens", "512"],
@@ -250,20 +246,14 @@ CASES = [
     Case("ckpt-static-loaded-with-dcp", ["--load", "{static_ckpt}", "--train-iters", "2"],
          "not an adaptive-runtime checkpoint", keeps=("static_ckpt",), base="dcp"),
     Case("ckpt-dcp-loaded-without-dcp", ["--load", "{dcp_ckpt}", "--train-iters", "2"], "--dcp",
-         keeps=("dcp_ckpt",),
-         bug="static path loading a --dcp checkpoint: KeyError traceback listing every dcp.* key "
-             "(checkpointing.load_checkpoint does not check common['format'])"),
+         keeps=("dcp_ckpt",)),
     Case("ckpt-dcp-other-model-shape", ["--load", "{dcp_ckpt}", "--train-iters", "2"] + SHAPE,
          "model shape differs", keeps=("dcp_ckpt",), base="dcp"),
     Case("ckpt-static-other-model-shape", ["--load", "{static_ckpt}", "--train-iters", "2"] + SHAPE,
-         "shape", keeps=("static_ckpt",),
-         bug="static path loading a checkpoint of another model shape: megatron-core CheckpointingException "
-             "traceback (checkpointing.load_checkpoint does not catch it)"),
+         "shape", keeps=("static_ckpt",)),
     Case("ckpt-static-other-vocab-padding", ["--load", "{static_ckpt}", "--train-iters", "2",
                                              "--make-vocab-size-divisible-by", "192"],
-         "vocab", keeps=("static_ckpt",),
-         bug="static path loading a checkpoint whose padded vocabulary differs (256 vs 384 rows) succeeds "
-             "silently: megatron-core's embedding allows a shape mismatch, rows are dropped or left at init"),
+         "vocab", keeps=("static_ckpt",)),
     # NaN / inf loss
     Case("nan-loss-static", NAN, "NaN/inf iterations in a row"),
     Case("nan-loss-dcp", NAN, "NaN/inf iterations in a row", base="dcp"),
@@ -434,8 +424,6 @@ if __name__ != "__main__":
         assert losses and losses[0]["iteration"] == 3  # it did resume from the checkpoint and train
         assert tree_digest(paths["dcp_ckpt"]) == paths["digests"]["dcp_ckpt"]
 
-    @pytest.mark.xfail(strict=True, reason="a rank killed mid-iteration: the surviving rank ends with a gloo "
-                                           "RuntimeError traceback ('Connection reset by peer'), not one error line")
     def test_rank_killed_mid_run_reports_one_line(killed_run):
         _, _, stderr, _ = killed_run
         lines = _worker_lines(stderr)

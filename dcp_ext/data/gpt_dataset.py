@@ -38,6 +38,22 @@ def _process_group_for_builder():
         dist.destroy_process_group()
 
 
+def _check_splits_have_tokens(prefix, lengths, bookends, sizes, split) -> None:
+    """megatron-core's GPTDataset loops for ever on a split that holds no token (it counts
+    epochs by tokens per epoch); refuse it up front. Document ranges as megatron-core cuts them."""
+    n = len(lengths)
+    starts = [0]
+    for bookend in bookends:  # megatron-core rounds each part's share, then accumulates
+        starts.append(starts[-1] + (0 if bookend is None else int(round((bookend[1] - bookend[0]) * n))))
+    for k, (name, bookend, size) in enumerate(zip(("train", "valid", "test"), bookends, sizes)):
+        if bookend is None or not size:
+            continue
+        lo, hi = min(starts[k], n), min(starts[k + 1], n)
+        if int(lengths[lo:hi].sum()) == 0:
+            raise DataError(f"the {name} split of {prefix} has no tokens with --split {split} ({n} documents): "
+                            f"use more data, another --split, or --eval-iters 0")
+
+
 def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: int, tokenizer,
                                 num_samples, cache_dir: str, reset_position_ids: bool = False,
                                 reset_attention_mask: bool = False, eod_mask_loss: bool = False,
@@ -52,14 +68,15 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
         raise DataError("--seq-length must be >= 1")
     prefixes, weights = parse_blend(data_path)
     bookends = split_bookends(split)
+    if len(num_samples) != 3:
+        raise DataError("num_samples must be (train, valid, test)")
+    sizes = [None if n is None else int(n) for n in num_samples]
     for prefix in prefixes:
         docs = IndexedDocuments(prefix)
         if len(docs) == 0 or int(docs.lengths.sum()) == 0:
             raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
         docs.check_vocab(int(tokenizer.vocab_size))
-    if len(num_samples) != 3:
-        raise DataError("num_samples must be (train, valid, test)")
-    sizes = [None if n is None else int(n) for n in num_samples]
+        _check_splits_have_tokens(prefix, docs.lengths, bookends, sizes, split)
     if weights is not None and any(n is None for n, be in zip(sizes, bookends) if be is not None):
         raise DataError("a weighted --data-path blend needs a sample count for every non-empty split")
     with warnings.catch_warnings():

@@ -165,10 +165,36 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> None:
         dest = str(key).replace("-", "_")
         if dest not in actions or dest == "yaml_cfg":
             raise ArgumentError(f"--yaml-cfg {path}: unknown key '{key}' (keys are flag names, e.g. num-layers)")
-        if actions[dest].nargs == "*" and isinstance(value, str):
-            value = value.split()
-        defaults[dest] = value
+        defaults[dest] = _yaml_value(actions[dest], value, f"--yaml-cfg {path}: key '{key}'")
     parser.set_defaults(**defaults)
+
+
+def _yaml_value(action: argparse.Action, value, where: str):
+    """A YAML value checked and converted like the flag's command-line value would be."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if action.nargs == "*":
+        items = value.split() if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ArgumentError(f"{where}: expected a list, got {value!r}")
+        return [_convert(action, item, where) for item in items]
+    if isinstance(value, (list, dict)):
+        raise ArgumentError(f"{where}: expected one value, got {value!r}")
+    return None if value is None else _convert(action, value, where)
+
+
+def _convert(action: argparse.Action, value, where: str):
+    convert = action.type or str
+    try:
+        out = convert(str(value)) if not isinstance(value, bool) else convert(value)
+    except (TypeError, ValueError):
+        name = getattr(convert, "__name__", "value")
+        raise ArgumentError(f"{where}: invalid {name} value: {value!r}") from None
+    if action.choices is not None and out not in action.choices:
+        raise ArgumentError(f"{where}: {out!r} is not one of {', '.join(map(str, action.choices))}")
+    return out
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -172,6 +172,23 @@ def resolve_load_dir(args) -> tuple[str, int] | None:
     return path, iteration
 
 
+def load_or_explain(request: dict, path: str, **kwargs) -> dict:
+    """dist_checkpointing.load, with a mismatch between checkpoint and model as one line."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(request, path, **kwargs)
+    except (CheckpointingException, CheckpointException, KeyError, RuntimeError) as e:
+        # torch wraps the per-rank failures: the innermost "...Exception: message" line says why
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        causes = [line.split(": ", 1)[1] for line in lines if ": " in line and line.split(": ", 1)[0].endswith(
+            ("Exception", "Error"))]
+        why = (causes[-1] if causes else lines[0] if lines else type(e).__name__)[:300]
+        raise CheckpointError(f"{path} cannot be loaded into this model ({why}): check the model flags") from None
+
+
 def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     """Restore model (always), optimizer, scheduler and RNG (unless told not to); returns
     (iteration, consumed samples) to continue from."""
@@ -182,6 +199,15 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         return 0, 0
     path, _ = found
     common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("format") == "dcp-fixed-sharding/v1":
+        raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
+                              "or export it with tools/convert_dcp_checkpoint.py")
+    saved_vocab = getattr(common.get("args"), "padded_vocab_size", None)
+    if saved_vocab is not None and saved_vocab != args.padded_vocab_size:
+        tp = args.tensor_model_parallel_size
+        hint = f"--make-vocab-size-divisible-by {saved_vocab // tp}" if saved_vocab % tp == 0 else "the saved padding"
+        raise CheckpointError(f"{path}: vocabulary padded to {saved_vocab} rows, this run pads to "
+                              f"{args.padded_vocab_size}: a different model; use {hint}")
     same_layout = tuple(common.get("layout", ())) == _layout_signature(args)
     model_sd = unwrap(model).sharded_state_dict()
     request = {"model": model_sd}
@@ -192,7 +218,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     load_rng = not (args.no_load_rng or args.finetune) and same_layout
     if load_rng:
         request["rng_state"] = _rng_sharded_object()
-    state = dist_checkpointing.load(request, path)
+    state = load_or_explain(request, path)
     unwrap(model).load_state_dict(state["model"], strict=True)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])

@@ -82,7 +82,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
         for t in needed for kind in kinds
     }
     # each rank reads only the tensors its shard overlaps: no rank holds "the" main replica
-    state = dist_checkpointing.load(request, path, validate_access_integrity=False)
+    state = ckpt.load_or_explain(request, path, validate_access_integrity=False)
     shard = {kind: torch.zeros(end - start) for kind in kinds}
     for t in needed:
         lo, hi = max(start, t.offset), min(end, t.offset + t.numel)

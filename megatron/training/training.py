@@ -192,6 +192,19 @@ def pretrain(
                          document_datasets_provider)
     except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError, PlanningError) as e:
         _report_error_and_exit(str(e))
+    except RuntimeError as e:
+        if not _is_lost_peer(e):
+            raise
+        first = str(e).strip().splitlines()[0][:200]
+        _report_error_and_exit(f"lost contact with another rank ({first}): it died or hangs; see its log, then "
+                               "rerun to resume from the last checkpoint")
+
+
+def _is_lost_peer(e: BaseException) -> bool:
+    """A collective failed because a peer process died (gloo/NCCL), not a bug of this rank."""
+    text = str(e)
+    return any(k in text for k in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                                    "NCCL communicator was aborted", "Socket Timeout", "timed out"))
 
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
