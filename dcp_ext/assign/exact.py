@@ -57,6 +57,49 @@ def _solve(h, lp, time_limit: float, rel_gap: float, threads: int = 1):
     h.passModel(lp)
 
 
+class _LpBuilder:
+    """Columns and row-wise constraints of a HiGHS model, assembled one by one."""
+
+    def __init__(self, hs):
+        self.hs = hs
+        self.cols_lo, self.cols_hi, self.cost, self.integ = [], [], [], []
+        self.rows_lo, self.rows_hi, self.starts, self.index, self.value = [], [], [0], [], []
+
+    def new_col(self, lo, hi, c=0.0, integer=False) -> int:
+        self.cols_lo.append(lo)
+        self.cols_hi.append(hi)
+        self.cost.append(c)
+        vt = self.hs.HighsVarType
+        self.integ.append(vt.kInteger if integer else vt.kContinuous)
+        return len(self.cols_lo) - 1
+
+    def add_row(self, lo, hi, entries) -> None:
+        for j, v in entries:
+            self.index.append(j)
+            self.value.append(v)
+        self.starts.append(len(self.index))
+        self.rows_lo.append(lo)
+        self.rows_hi.append(hi)
+
+    def build(self, integer: bool = True):
+        hs = self.hs
+        lp = hs.HighsLp()
+        lp.num_col_ = len(self.cols_lo)
+        lp.num_row_ = len(self.rows_lo)
+        lp.col_cost_ = np.asarray(self.cost)
+        lp.col_lower_ = np.asarray(self.cols_lo)
+        lp.col_upper_ = np.asarray(self.cols_hi)
+        lp.row_lower_ = np.asarray(self.rows_lo)
+        lp.row_upper_ = np.asarray(self.rows_hi)
+        lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.asarray(self.starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.asarray(self.index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.asarray(self.value)
+        if integer:
+            lp.integrality_ = self.integ
+        return lp
+
+
 def exact_plan(lengths, replicas: list[ReplicaCost], *, time_limit: float = 10.0, rel_gap: float = 1e-6,
                start=None) -> ExactResult:
     """Optimal plan of the full problem; `start` (micro-batches per replica) seeds HiGHS."""
@@ -69,18 +112,8 @@ def exact_plan(lengths, replicas: list[ReplicaCost], *, time_limit: float = 10.0
     order = sorted(range(n), key=lambda i: -L[i])  # position -> sequence
     caps = [min(p[5], p[6]) for p in params]
 
-    cols_lo: list[float] = []
-    cols_hi: list[float] = []
-    cost: list[float] = []
-    integ: list = []
-
-    def new_col(lo, hi, c=0.0, integer=False):
-        cols_lo.append(lo)
-        cols_hi.append(hi)
-        cost.append(c)
-        integ.append(hs.HighsVarType.kInteger if integer else hs.HighsVarType.kContinuous)
-        return len(cols_lo) - 1
-
+    model = _LpBuilder(hs)
+    new_col, add_row = model.new_col, model.add_row
     z = new_col(0.0, hs.kHighsInf, 1.0)
     x: dict[tuple[int, int, int], int] = {}  # (pos i, r, pos k) -> col
     Ccol: dict[tuple[int, int], int] = {}
@@ -93,20 +126,6 @@ def exact_plan(lengths, replicas: list[ReplicaCost], *, time_limit: float = 10.0
                 if L[order[i]] <= caps[r]:
                     x[(i, r, k)] = new_col(0.0, 1.0, 0.0, True)
             Ccol[(r, k)] = new_col(0.0, hs.kHighsInf)
-
-    rows_lo: list[float] = []
-    rows_hi: list[float] = []
-    starts: list[int] = [0]
-    index: list[int] = []
-    value: list[float] = []
-
-    def add_row(lo, hi, entries):
-        for j, v in entries:
-            index.append(j)
-            value.append(v)
-        starts.append(len(index))
-        rows_lo.append(lo)
-        rows_hi.append(hi)
 
     inf = hs.kHighsInf
     by_item: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -152,19 +171,7 @@ def exact_plan(lengths, replicas: list[ReplicaCost], *, time_limit: float = 10.0
         ent += [(Ccol[(rr, k)], -1.0) for (rr, k) in Ccol if rr == r]
         add_row(0.0, inf, ent)
 
-    lp = hs.HighsLp()
-    lp.num_col_ = len(cols_lo)
-    lp.num_row_ = len(rows_lo)
-    lp.col_cost_ = np.asarray(cost)
-    lp.col_lower_ = np.asarray(cols_lo)
-    lp.col_upper_ = np.asarray(cols_hi)
-    lp.row_lower_ = np.asarray(rows_lo)
-    lp.row_upper_ = np.asarray(rows_hi)
-    lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.asarray(value)
-    lp.integrality_ = integ
+    lp = model.build()
     h = hs.Highs()
     _solve(h, lp, time_limit, rel_gap)
     if start is not None:
@@ -221,25 +228,8 @@ def exact_balance(lengths, replicas: list[ReplicaCost], *, time_limit: float = 1
     L = arr.tolist()
     caps = [min(p[5], p[6]) for p in params]
     inf = hs.kHighsInf
-    cols_lo, cols_hi, cost, integ = [], [], [], []
-
-    def new_col(lo, hi, c=0.0, integer=False):
-        cols_lo.append(lo)
-        cols_hi.append(hi)
-        cost.append(c)
-        integ.append(hs.HighsVarType.kInteger if integer else hs.HighsVarType.kContinuous)
-        return len(cols_lo) - 1
-
-    rows_lo, rows_hi, starts, index, value = [], [], [0], [], []
-
-    def add_row(lo, hi, entries):
-        for j, v in entries:
-            index.append(j)
-            value.append(v)
-        starts.append(len(index))
-        rows_lo.append(lo)
-        rows_hi.append(hi)
-
+    model = _LpBuilder(hs)
+    new_col, add_row = model.new_col, model.add_row
     z = new_col(0.0, inf, 1.0)
     x = {(i, r): new_col(0.0, 1.0, 0.0, True) for r in range(R) for i in range(n) if L[i] <= caps[r]}
     for i in range(n):
@@ -269,19 +259,7 @@ def exact_balance(lengths, replicas: list[ReplicaCost], *, time_limit: float = 1
             add_row(q * o + v * o - big, inf,
                     [(z, 1.0)] + [(x[(i, r)], -c[i] * (1.0 + q / v)) for i in elig] + [(y[v], -big)])
 
-    lp = hs.HighsLp()
-    lp.num_col_ = len(cols_lo)
-    lp.num_row_ = len(rows_lo)
-    lp.col_cost_ = np.asarray(cost)
-    lp.col_lower_ = np.asarray(cols_lo)
-    lp.col_upper_ = np.asarray(cols_hi)
-    lp.row_lower_ = np.asarray(rows_lo)
-    lp.row_upper_ = np.asarray(rows_hi)
-    lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.asarray(value)
-    lp.integrality_ = integ
+    lp = model.build()
     h = hs.Highs()
     _solve(h, lp, time_limit, rel_gap)
     if start is not None:
@@ -359,61 +337,23 @@ def lp_lower_bound(lengths, replicas: list[ReplicaCost], upper: float | None = N
     single = max(min(p[4] * (seq_cost(p, s) + p[3]) for p in params if s <= min(p[5], p[6])) for s in L)
     # aggregate equal lengths: one column per (distinct length, replica)
     uniq, counts = np.unique(arr, return_counts=True)
-    col_lo, col_hi, col_cost = [0.0], [hs.kHighsInf], [1.0]  # col 0: z
-    starts, index, value, row_lo, row_hi = [0], [], [], [], []
+    model = _LpBuilder(hs)
+    z = model.new_col(0.0, hs.kHighsInf, 1.0)
     xcols = []
     for u, cnt in zip(uniq.tolist(), counts.tolist()):
-        cols = []
-        for r, p in enumerate(params):
-            if u <= min(p[5], p[6]):
-                col_lo.append(0.0)
-                col_hi.append(float(cnt))
-                col_cost.append(0.0)
-                cols.append((r, len(col_lo) - 1, seq_cost(p, u) + p[3] * u / p[6]))
+        cols = [(r, model.new_col(0.0, float(cnt)), seq_cost(p, u) + p[3] * u / p[6])
+                for r, p in enumerate(params) if u <= min(p[5], p[6])]
         xcols.append(cols)
-        for _, j, _ in cols:
-            index.append(j)
-            value.append(1.0)
-        starts.append(len(index))
-        row_lo.append(float(cnt))
-        row_hi.append(float(cnt))
+        model.add_row(float(cnt), float(cnt), [(j, 1.0) for _, j, _ in cols])
     for r in range(R):
-        index.append(0)
-        value.append(1.0)
-        for cols in xcols:
-            for rr, j, w in cols:
-                if rr == r:
-                    index.append(j)
-                    value.append(-w)
-        starts.append(len(index))
-        row_lo.append(0.0)
-        row_hi.append(hs.kHighsInf)
+        model.add_row(0.0, hs.kHighsInf, [(z, 1.0)] + [(j, -w) for cols in xcols for rr, j, w in cols if rr == r])
         p = params[r]
         q, o = p[4] - 1, p[3]
         if upper is not None and upper > 0.0 and q > 0:
             slope = (upper + q * o + 2.0 * (q * o * upper) ** 0.5) / upper
-            index.append(0)
-            value.append(1.0)
-            for u, cols in zip(uniq.tolist(), xcols):
-                for rr, j, _ in cols:
-                    if rr == r:
-                        index.append(j)
-                        value.append(-slope * seq_cost(p, u))
-            starts.append(len(index))
-            row_lo.append(0.0)
-            row_hi.append(hs.kHighsInf)
-    lp = hs.HighsLp()
-    lp.num_col_ = len(col_lo)
-    lp.num_row_ = len(row_lo)
-    lp.col_cost_ = np.asarray(col_cost)
-    lp.col_lower_ = np.asarray(col_lo)
-    lp.col_upper_ = np.asarray(col_hi)
-    lp.row_lower_ = np.asarray(row_lo)
-    lp.row_upper_ = np.asarray(row_hi)
-    lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.asarray(value)
+            model.add_row(0.0, hs.kHighsInf, [(z, 1.0)] + [(j, -slope * seq_cost(p, u)) for u, cols in
+                                                          zip(uniq.tolist(), xcols) for rr, j, _ in cols if rr == r])
+    lp = model.build(integer=False)
     h = hs.Highs()
     h.setOptionValue("output_flag", False)
     h.passModel(lp)
