@@ -147,13 +147,6 @@ class AdaptiveEngine:
         else:
             self.optimizer.set_master(flat[start:end].float())
 
-    def canonical_vector(self, state_dict: dict) -> torch.Tensor:
-        """Flatten a full (TP1/PP1) model state dict into canonical order."""
-        flat = torch.empty(self.space.numel, dtype=torch.float32)
-        for t in self.space.tensors.values():
-            flat[t.offset : t.offset + t.numel] = state_dict[t.name].detach().float().flatten()
-        return flat
-
     def gather_canonical(self) -> torch.Tensor:
         """The whole master vector on every rank (collective; checkpoints export, tests)."""
         return self.exchange.allgather(self.optimizer.master())

@@ -46,9 +46,6 @@ class ReplicaType:
     def tp_cp_ranks(self, pp_rank: int) -> tuple[int, ...]:
         return tuple(self.rank_at(t, c, pp_rank) for c in range(self.cp) for t in range(self.tp))
 
-    def stage_ranks(self, pp_rank: int) -> tuple[int, ...]:
-        return self.tp_cp_ranks(pp_rank)
-
     def label(self) -> str:
         parts = [f"{name}{size}" for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if size > 1]
         return "·".join(parts) or "tp1"
