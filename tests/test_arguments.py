@@ -52,6 +52,7 @@ def test_yaml_keys_are_flag_names_and_command_line_wins(tmp_path):
         (["--dcp"], 1, "--dcp needs --dcp-global-batch-tokens"),
         (["--save-interval", "5"], 1, "--save-interval needs --save DIR"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),
+        (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"),
     ],
 )
 def test_invalid_combinations_give_one_line_naming_the_fix(extra, world, needle):

@@ -322,5 +322,9 @@ def validate_args(args: argparse.Namespace) -> None:
     need(args.demo_corpus or args.mock_data or args.data_path, "--data-path is required (or --mock-data / --demo-corpus)")
     if args.recompute_granularity == "full":
         need(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+    if args.lr_warmup_iters:
+        need(args.lr_warmup_iters < (args.lr_decay_iters or 0),
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "
+             "(default: --train-iters)")
     need(args.log_interval > 0 and args.eval_interval > 0, "--log-interval and --eval-interval must be > 0")
     need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")
