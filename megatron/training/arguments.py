@@ -315,6 +315,7 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
+        need(not args.fp16, "--dcp trains in fp32 or --bf16 (no loss scaling for --fp16): use --bf16")
         args.num_microbatches = None
     if args.save_interval is not None:
         need(args.save is not None, "--save-interval needs --save DIR")
