@@ -11,12 +11,12 @@ pushes its gradients back; replicas run in parallel and the slowest decides:
 
     T = max over replicas (sync(replica) + pipeline(replica))
 
-Lower bound (`lower_bound`): a relaxation of every plan any planner can emit on this
-cluster (all layouts, all recompute choices): documents split perfectly over devices,
-each at its cheapest layout (additive part of the cost only: no micro-batch constant, no
-unhidden CP exchange, no pipeline bubble), every device paying the receive side of its
-layout's sync, and the iteration no shorter than any document alone on the replica that
-runs it fastest. Each dropped term is >= 0 in the simulated time, hence a true bound.
+Lower bound (`lower_bound`, in `dcp_ext.bound`): a relaxation of every plan any planner
+can emit on this cluster (all layouts, all recompute choices): documents split perfectly
+over devices, each at its cheapest layout (additive part of the cost), every device paying
+the receive side of its layout's sync, micro-batch constants forced by memory, pipelines
+their bubble as proven on this module's 1F1B, and the iteration no shorter than any
+document alone on the replica that runs it fastest.
 """
 from __future__ import annotations
 
@@ -202,159 +202,4 @@ def simulate_iteration(cm: CostModel, it: IterationPlan, length_of: Mapping[int,
 
 
 # ---------------------------------------------------------------------------- lower bound
-@dataclass
-class BoundTables:
-    """Per (document, layout) numbers the bound needs, for one batch."""
-
-    gpu_seconds: np.ndarray  # [n_docs, n_layouts] g * additive stage cost, inf if it cannot hold
-    alone: np.ndarray  # [n_docs, n_layouts] pp * stage time of the document alone (+ sync)
-    sync: np.ndarray  # [n_layouts] receive-side sync per device
-    layouts: list[Layout]
-
-
-def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None) -> BoundTables:
-    """Per document and layout: the fewest device-seconds it can cost, and its time alone.
-
-    Device-seconds of a document on a layout: g * min over recompute levels rs that hold it
-    of [additive stage cost at rs + c0 * pp * keep(rs) * s / free]. The second term is the
-    micro-batch constant the document must share: 1F1B holds pp consecutive micro-batches
-    in flight on stage 0, so the kept activations of any pp consecutive ones fit in the
-    free memory; a replica whose documents keep S bytes in all therefore runs at least
-    pp*S/free - (pp-1) micro-batches, each costing at least c0 (the cheapest constant of
-    the layout), and its pipeline fill and drain cost at least (pp-1)*c0 more: together
-    at least c0*pp*S/free on top of the additive costs.
-    """
-    layouts = list(layouts) if layouts is not None else cm.all_layouts()
-    s = np.asarray(lengths, dtype=float)
-    n, k = len(s), len(layouts)
-    gs = np.full((n, k), np.inf)
-    alone = np.full((n, k), np.inf)
-    sync = np.empty(k)
-    for j, lay in enumerate(layouts):
-        c0_min = cm.coeffs(lay, 0).c0  # the cheapest micro-batch constant of this layout
-        sync[j] = cm.sync_time(lay, None)
-        Ls = cm.layers_per_stage(lay)
-        free = cm.capacity_bytes - cm.state_bytes(lay)
-        if free <= 0:
-            continue
-        # smallest recompute that holds each document alone (monotone in rs)
-        caps = np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)])
-        caps = np.maximum.accumulate(caps)
-        rs_min = np.searchsorted(caps, s, side="left")  # first rs with cap >= s
-        best = np.full(n, np.inf)
-        for rs in range(int(rs_min.min()) if n else 0, Ls + 1):
-            sel = rs_min <= rs
-            if not sel.any():
-                continue
-            co = cm.coeffs(lay, rs)
-            keep = cm.act_bytes_per_token(lay, rs)[0]
-            per_token_share = c0_min * lay.pp * keep / free
-            ss = s[sel]
-            cost = co.doc_cost(ss) + per_token_share * ss
-            best[sel] = np.minimum(best[sel], cost)
-        gs[:, j] = lay.size * best
-        for rs in np.unique(rs_min):
-            if rs > Ls:
-                continue
-            sel = rs_min == rs
-            co = cm.coeffs(lay, int(rs))
-            ss = s[sel]
-            alone[sel, j] = lay.pp * co.mb_time(ss * ss, ss, 1) + cm.sync_time(lay, None)
-    return BoundTables(gs, alone, sync, layouts)
-
-
-def _bisect(feasible, lo: float, hi: float | None = None, rel: float = 1e-7) -> float:
-    """Smallest T in [lo, inf) with feasible(T) (monotone), to relative precision `rel`."""
-    if feasible(lo):
-        return lo
-    hi = max(lo, 1e-9) * 2 if hi is None else hi
-    while not feasible(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e9:  # pragma: no cover
-            raise RuntimeError("lower bound diverged")
-    for _ in range(80):
-        if hi - lo <= rel * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
-                tables: BoundTables | None = None, refine: bool = True) -> float:
-    """A time no plan of this batch can beat on this cluster (see the module docstring).
-
-    refine: also use that the longest document sits on one replica of some layout L;
-    that replica's devices run every other document they take at L's cost, not at each
-    document's best one. The bound is then the least, over the layouts L able to run the
-    longest document in time, of the relaxation with that one replica fixed (its spare
-    time filled fractionally with the documents that save the most devices elsewhere).
-    """
-    if len(lengths) == 0:
-        return 0.0
-    tb = tables or bound_tables(cm, lengths, layouts)
-    n_dev = cm.cluster.num_gpus
-    best_alone = tb.alone.min(axis=1)
-    if not np.all(np.isfinite(best_alone)):
-        bad = int(np.asarray(lengths)[~np.isfinite(best_alone)].max())
-        raise ValueError(f"a sequence of {bad} tokens fits no layout of {cm.cluster.name}")
-    lo = float(best_alone.max())
-
-    def need_at(T: float) -> np.ndarray:
-        room = T - tb.sync
-        ok = (tb.alone <= T) & (room > 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.where(ok, tb.gpu_seconds / np.where(room > 0, room, 1.0), np.inf)
-        return need.min(axis=1)
-
-    t0 = _bisect(lambda T: float(need_at(T).sum()) <= n_dev, lo)
-    n = len(lengths)
-    if not refine or n < 2:
-        return t0
-    k = int(np.argmax(np.asarray(lengths)))
-    others = np.arange(n) != k
-    sizes = np.array([l.size for l in tb.layouts], dtype=float)
-
-    def feasible_special(j: int, T: float) -> bool:
-        if tb.alone[k, j] > T or sizes[j] > n_dev:
-            return False
-        stage = tb.gpu_seconds[:, j] / sizes[j]  # replica seconds each document costs on j
-        cap = T - tb.sync[j] - stage[k]
-        if cap < 0:
-            return False
-        need = need_at(T)[others]
-        st = stage[others]
-        elig = (tb.alone[others, j] <= T) & np.isfinite(st)
-        forced = ~np.isfinite(need)
-        if np.any(forced & ~elig):
-            return False
-        cap -= float(st[forced].sum())
-        if cap < 0:
-            return False
-        rest = float(need[~forced].sum())
-        cand = elig & ~forced & (st > 0)
-        if cap > 0 and cand.any():
-            ratio = need[cand] / st[cand]
-            order = np.argsort(-ratio)
-            c_sorted = st[cand][order]
-            n_sorted = need[cand][order]
-            cs = np.cumsum(c_sorted)
-            full = int(np.searchsorted(cs, cap, side="right"))
-            saved = float(n_sorted[:full].sum())
-            if full < len(c_sorted):
-                used = float(cs[full - 1]) if full > 0 else 0.0
-                saved += n_sorted[full] * (cap - used) / c_sorted[full]
-            rest -= saved
-        return rest <= n_dev - sizes[j] + 1e-9
-
-    order = sorted((j for j in range(len(tb.layouts)) if np.isfinite(tb.alone[k, j])), key=lambda j: tb.alone[k, j])
-    best = math.inf
-    for j in order:
-        if math.isfinite(best) and not feasible_special(j, best):
-            continue  # this layout cannot beat the best found so far
-        t = _bisect(lambda T: feasible_special(j, T), max(t0, float(tb.alone[k, j])), None if not math.isfinite(best) else best)
-        best = min(best, t)
-    return max(t0, best) if math.isfinite(best) else t0
+from dcp_ext.bound import BoundTables, bound_tables, lower_bound  # noqa: E402,F401  (re-exported)
