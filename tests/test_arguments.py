@@ -54,6 +54,7 @@ def test_yaml_keys_are_flag_names_and_command_line_wins(tmp_path):
         (["--save-interval", "5"], 1, "--save-interval needs --save DIR"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),
         (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"),
+        (["--tensorboard-log-interval", "0"], 1, "--tensorboard-log-interval and --tensorboard-queue-size must be > 0"),
     ],
 )
 def test_invalid_combinations_give_one_line_naming_the_fix(extra, world, needle):

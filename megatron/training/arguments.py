@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="also write 'iteration-time'")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-throughput", action="store_true", help="accepted for compatibility; always logged")
     g.add_argument("--loss-log", type=str, default=None,
                    help="append each iteration's exact loss, grad norm and lr as JSON lines (last rank)")
@@ -328,4 +332,6 @@ def validate_args(args: argparse.Namespace) -> None:
              f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "
              "(default: --train-iters)")
     need(args.log_interval > 0 and args.eval_interval > 0, "--log-interval and --eval-interval must be > 0")
+    need(args.tensorboard_log_interval > 0 and args.tensorboard_queue_size > 0,
+         "--tensorboard-log-interval and --tensorboard-queue-size must be > 0")
     need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")

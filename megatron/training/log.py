@@ -1,7 +1,9 @@
 """Megatron's iteration log line, validation line and TensorBoard scalars.
 
 The iteration line keeps upstream's fields and order so existing log parsers keep
-working; throughput counts causal attention per document (dcp_ext.flops).
+working; throughput counts causal attention per document (dcp_ext.flops). TensorBoard
+gets upstream's tags ('lm loss', 'learning-rate', 'batch-size', 'loss-scale',
+'grad-norm', each also '... vs samples'), so existing dashboards keep working.
 """
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ class TrainingLogger:
         self.skipped = 0
         self.nan = 0
         self.writer = None
+        self.consumed_samples = 0
         self.last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
         if args.tensorboard_dir and self.last_rank:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+                self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
             except ImportError:
                 print_rank_last("warning: --tensorboard-dir given but tensorboard is not installed (pip install tensorboard)")
 
@@ -74,11 +77,14 @@ class TrainingLogger:
                       "consumed samples": consumed_samples, "skipped": not update_successful, **(record or {})}
             with open(self.args.loss_log, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            self.writer.add_scalar("lm loss", loss, iteration)
-            self.writer.add_scalar("learning-rate", lr, iteration)
+        self.consumed_samples = consumed_samples
+        if self.writer is not None and iteration % self.args.tensorboard_log_interval == 0:
+            scalars = {"learning-rate": lr, "batch-size": global_batch_size, **losses, "loss-scale": loss_scale}
             if grad_norm is not None:
-                self.writer.add_scalar("grad-norm", grad_norm, iteration)
+                scalars["grad-norm"] = grad_norm
+            self._scalars(scalars, iteration, consumed_samples)
+            if self.args.log_timers_to_tensorboard:
+                self.writer.add_scalar("iteration-time", elapsed_s, iteration)
         if iteration % self.args.log_interval != 0:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -108,7 +114,17 @@ class TrainingLogger:
             f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         )
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
+            scalars = {"lm loss validation": loss}
+            if self.args.log_validation_ppl_to_tensorboard:
+                scalars["lm loss validation ppl"] = ppl
+            self._scalars(scalars, iteration, self.consumed_samples)
+
+    def _scalars(self, scalars: dict, iteration: int, consumed_samples: int) -> None:
+        """Each value against the iteration and, as '<tag> vs samples', against the
+        samples consumed (Megatron's TensorBoard tags)."""
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, iteration)
+            self.writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
 
     def close(self):
         if self.writer is not None:
