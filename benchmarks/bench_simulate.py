@@ -7,7 +7,8 @@ reproduces them in one go and prints the measured ratios the acceptance asks abo
 
     python benchmarks/bench_simulate.py                 # full matrix (several minutes)
     python benchmarks/bench_simulate.py --quick         # two settings, 4 iterations
-    python benchmarks/bench_simulate.py --json out.json
+    python benchmarks/bench_simulate.py --json out.json --plot speedups.png
+    python benchmarks/bench_simulate.py --replot out.json --plot speedups.png   # no re-run
 """
 from __future__ import annotations
 
@@ -34,7 +35,13 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--data", default=DATA)
+    ap.add_argument("--plot", default=None, help="PNG: speedup over static per setting and planner")
+    ap.add_argument("--replot", default=None, help="draw --plot from a saved --json instead of running")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as fh:
+            plot_speedups(json.load(fh), a.plot or "speedups.png")
+        return 0
     settings = SETTINGS[:1] + SETTINGS[3:4] if a.quick else SETTINGS
     iters = 4 if a.quick else a.iterations
     out = []
@@ -63,7 +70,42 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
+    if a.plot:
+        plot_speedups(out, a.plot)
     return 0
+
+
+def plot_speedups(results: list[dict], path: str) -> None:
+    """Grouped bars: each planner's speedup over static per setting, and a tick at what
+    the lower bound allows (static / bound), so the gap to the physical limit shows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results[0]["planners"])
+    labels, rows, limits = [], [], []
+    for r in results:
+        st = r["planners"]["static"]["mean_s"]
+        data = os.path.basename(r["lengths"]).split("_")[0]
+        labels.append(f"{r['model'].replace('llama2-', '')}\n{r['cluster']}\n{data}")
+        rows.append([st / r["planners"][n]["mean_s"] for n in names])
+        limits.append(st / r["lower_bound_mean_s"])
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(results)), 4.5))
+    for j, n in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(results))]
+        ax.bar(xs, [row[j] for row in rows], width, label=n)
+    ax.scatter(range(len(results)), limits, marker="_", s=900, color="black", zorder=3, label="lower bound allows")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("speedup over static (simulated)")
+    ax.set_title("dcp-simulate: 4M-token batches, max-seq-len 131072 (analytic cost model)")
+    ax.legend(fontsize=8, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
