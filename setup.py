@@ -48,7 +48,7 @@ setup(
     extras_require={
         # apex has no wheel on PyPI: build it from source (see README) if you want its fused kernels.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest", "hypothesis", "highspy", "matplotlib", "tensorboard"],
+        "test": ["pytest", "hypothesis", "highspy", "matplotlib", "tensorboard", "tokenizers", "sentencepiece"],
     },
     entry_points={
         "console_scripts": [
