@@ -119,19 +119,13 @@ def load_common(path: str) -> dict:
 
 def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     """Megatron flags for the static model at (T, P): checkpoint args < --yaml-cfg < command line."""
-    from megatron.training.arguments import (ArgumentError, _dest_names, _yaml_only_parser, build_parser,
-                                             fill_derived, load_yaml_defaults, validate_args)
+    from megatron.training.arguments import _dest_names, build_parser, fill_derived, parse_flags, validate_args
 
     parser = build_parser()
     dests = _dest_names(parser)
     saved = vars(common.get("args") or argparse.Namespace())
     parser.set_defaults(**{k: v for k, v in saved.items() if k in dests and k != "yaml_cfg"})
-    pre, _ = _yaml_only_parser().parse_known_args(rest)
-    if pre.yaml_cfg:
-        load_yaml_defaults(parser, pre.yaml_cfg)
-    args, unknown = parser.parse_known_args(rest)
-    if unknown:
-        raise ArgumentError(f"unknown flag {unknown[0]} (model flags as in pretrain_gpt_dcp.py --help)")
+    args = parse_flags(parser, rest, "model flags as in pretrain_gpt_dcp.py --help")
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.context_parallel_size = 1

@@ -49,6 +49,15 @@ class ExactResult:
     seconds: float
 
 
+def _inputs(lengths, replicas):
+    """(highspy, validated lengths, replica parameter tuples) for one exact problem."""
+    hs = _highspy()
+    arr = check_lengths(lengths, allow_empty=False)
+    params = check_replicas(replicas)
+    check_fits(arr, params)
+    return hs, arr, params
+
+
 def _solve(h, lp, time_limit: float, rel_gap: float, threads: int = 1):
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
@@ -103,10 +112,7 @@ class _LpBuilder:
 def exact_plan(lengths, replicas: list[ReplicaCost], *, time_limit: float = 10.0, rel_gap: float = 1e-6,
                start=None) -> ExactResult:
     """Optimal plan of the full problem; `start` (micro-batches per replica) seeds HiGHS."""
-    hs = _highspy()
-    arr = check_lengths(lengths, allow_empty=False)
-    params = check_replicas(replicas)
-    check_fits(arr, params)
+    hs, arr, params = _inputs(lengths, replicas)
     n, R = arr.size, len(params)
     L = arr.tolist()
     order = sorted(range(n), key=lambda i: -L[i])  # position -> sequence
@@ -220,10 +226,7 @@ def exact_balance(lengths, replicas: list[ReplicaCost], *, time_limit: float = 1
     Because the estimate never exceeds replica_time, this optimum is a LOWER BOUND of the
     best makespan any plan (assignment + packing) can reach. `start` is an assignment.
     """
-    hs = _highspy()
-    arr = check_lengths(lengths, allow_empty=False)
-    params = check_replicas(replicas)
-    check_fits(arr, params)
+    hs, arr, params = _inputs(lengths, replicas)
     n, R = arr.size, len(params)
     L = arr.tolist()
     caps = [min(p[5], p[6]) for p in params]
@@ -328,10 +331,7 @@ def lp_lower_bound(lengths, replicas: list[ReplicaCost], upper: float | None = N
     g(0) >= 0, so on [0, upper] it lies above the chord W * g(upper) / upper, and no
     replica of a plan better than `upper` does more work than upper.
     """
-    hs = _highspy()
-    arr = check_lengths(lengths, allow_empty=False)
-    params = check_replicas(replicas)
-    check_fits(arr, params)
+    hs, arr, params = _inputs(lengths, replicas)
     n, R = arr.size, len(params)
     L = arr.tolist()
     single = max(min(p[4] * (seq_cost(p, s) + p[3]) for p in params if s <= min(p[5], p[6])) for s in L)

@@ -204,18 +204,23 @@ def _convert(action: argparse.Action, value, where: str):
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse Megatron flags (and --yaml-cfg), fill derived values, validate for `world_size`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    pre, _ = _yaml_only_parser().parse_known_args(argv)
-    if pre.yaml_cfg:
-        load_yaml_defaults(parser, pre.yaml_cfg)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise ArgumentError(f"unknown flag {unknown[0]} (see pretrain_gpt_dcp.py --help)")
+    args = parse_flags(build_parser(), argv, "see pretrain_gpt_dcp.py --help")
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     fill_derived(args)
     validate_args(args)
+    return args
+
+
+def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str], hint: str) -> argparse.Namespace:
+    """Flags over --yaml-cfg values over the parser's defaults; an unknown flag is one line."""
+    pre, _ = _yaml_only_parser().parse_known_args(argv)
+    if pre.yaml_cfg:
+        load_yaml_defaults(parser, pre.yaml_cfg)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(f"unknown flag {unknown[0]} ({hint})")
     return args
 
 
