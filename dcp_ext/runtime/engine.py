@@ -4,16 +4,27 @@ Built once per run from the planner's finite set of replica types:
 - process groups of every replica type (GroupRegistry);
 - on each rank, the megatron-core GPTModel stage it plays in every replica type it
   belongs to, built with that replica's groups passed explicitly (no global
-  parallel_state), and the index map of its parameters into the canonical space;
-- the fixed optimizer sharding (ShardedAdamW) and the pull/push exchange.
-A step: pull the parameters of this iteration's stage, run the replica's micro-batches
-(1F1B, THD, CP), push gradients to their owner shards, clip on the global norm, AdamW.
+  parallel_state). A rank runs one stage per iteration and the pull fills it, so all its
+  stages share storage: one parameter buffer (compute dtype) and one fp32 main-grad
+  buffer, sized to the largest stage; every stage's parameters and `.main_grad`s are
+  views into them, and a new replica type costs no parameter memory;
+- the stage's map into the canonical space (strided runs, O(tensors));
+- the fixed optimizer sharding (ShardedAdamW) and the bucketed pull/push exchange.
+A step: pull the parameters of this iteration's stage (bucket by bucket, the next bucket
+in flight while a layer computes when overlapping), run the replica's micro-batches
+(1F1B, THD, CP), accumulate gradients in fp32 main grads, push each bucket's gradients
+to their owner shards as soon as the last backward has produced them, clip on the global
+norm, AdamW (fp16: unscale, skip on overflow, Megatron's dynamic loss scaler).
+Every tensor lives on the model's device (`device`): NCCL on GPUs, gloo on CPUs.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 import zlib
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -25,7 +36,10 @@ from dcp_ext.runtime.exchange import ParamExchange
 from dcp_ext.runtime.executor import StageRunner, localize
 from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
 from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
-from dcp_ext.runtime.sharded_optimizer import ShardedAdamW, shard_bounds
+from dcp_ext.runtime.sharded_optimizer import ShardedAdamW
+from dcp_ext.runtime.sharding import FixedSharding
+
+INIT_CHUNK = 1 << 20  # initial values are drawn per (tensor, chunk): a rank draws only its own
 
 
 @dataclass
@@ -34,6 +48,9 @@ class Stage:
     runner: StageRunner
     local: list[LocalParam]
     sequence_parallel: bool
+    numel: int
+    runs: list = field(default_factory=list)  # (runs in buffer coordinates, pushes_grad) per parameter
+    push_buckets: list = field(default_factory=list)  # per parameter: buckets its gradient pushes into
 
 
 @dataclass
@@ -43,6 +60,8 @@ class StepResult:
     grad_norm: float
     update_successful: bool
     bytes_moved: float = 0.0  # pull + push, all ranks together, this step
+    exposed_comm_s: float = 0.0  # time this rank spent blocked on pull/push (max over ranks)
+    loss_scale: float = 1.0
 
     @property
     def loss(self) -> float:
@@ -55,6 +74,10 @@ def layout_key(it: IterationPlan) -> tuple:
 
 def replica_type_of(r) -> ReplicaType:
     return ReplicaType(r.tp, r.cp, r.pp, tuple(r.ranks))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class AdaptiveEngine:
@@ -73,12 +96,21 @@ class AdaptiveEngine:
         exchange: str = "targeted",
         init_seed: int = 1234,
         init_std: float = 0.02,
+        device=None,
+        overlap: bool = False,
+        grad_reduce_in_bf16: bool = False,
+        bucket_numel: int | None = None,
+        grad_scaler=None,
     ):
         """make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
-        build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage."""
+        build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage.
+        device 'meta' builds every tensor without memory (scale checks)."""
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.device = torch.device(device) if device is not None else default_device()
         self.init_seed = init_seed
+        self.overlap = overlap
+        self.grad_scaler = grad_scaler
         mcore_compat.ensure_global_memory_buffer()
         self.registry = GroupRegistry(replica_types)
         self.make_config = make_config
@@ -86,31 +118,111 @@ class AdaptiveEngine:
         full_config = make_config(1, 1, 1, False)
         self.num_layers = full_config.num_layers
         self.gated = bool(full_config.gated_linear_unit)
+        self.param_dtype = full_config.params_dtype or torch.float32
         single = self.single_rank_collection()
         with torch.device("meta"):
             full = build_model(full_config, True, True, single)
         self.space = CanonicalSpace(full)
         del full
-        # This rank's stage in every replica type it belongs to.
+        self.sharding = FixedSharding(self.space.numel, self.world, bucket_numel)
+        # This rank's stage in every replica type it belongs to, sharing two buffers. The
+        # largest stages (smallest tp*pp) come first, so the buffers rarely grow.
+        self.params = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self.main_grads = torch.empty(0, dtype=torch.float32, device=self.device)
         self.stages: dict[ReplicaType, Stage] = {}
-        for rep in self.registry.replica_types:
-            if self.rank not in rep.ranks:
-                continue
-            sp = sequence_parallel and rep.tp > 1
-            config = make_config(rep.tp, rep.cp, rep.pp, sp)
-            tp_rank, _, pp_rank = rep.coords(self.rank)
-            model = build_model(config, pp_rank == 0, pp_rank == rep.pp - 1, self.registry.collection(rep))
-            local = map_stage(model, self.space, rep.tp, tp_rank, self.gated)
-            self.stages[rep] = Stage(rep, StageRunner(model, config, rep, self.rank, self.num_layers), local, sp)
+        mine = [rep for rep in self.registry.replica_types if self.rank in rep.ranks]
+        for rep in sorted(mine, key=lambda r: r.tp * r.pp):
+            self.stages[rep] = self._build_stage(rep, sequence_parallel and rep.tp > 1, make_config, build_model)
+        self._all_runs = self._gather_stage_runs()
         # The fixed sharding.
-        self.bounds = shard_bounds(self.space.numel, self.world)
-        start, end = self.bounds[self.rank]
         self.optimizer = ShardedAdamW(
-            self.initial_shard(init_seed, init_std),
-            self.space.no_weight_decay_mask()[start:end],
+            self.initial_shard(init_seed, init_std), self._decay_runs(),
             lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, clip_grad=clip_grad,
         )
-        self.exchange = ParamExchange(self.bounds, self.space.numel, mode=exchange)
+        self.optimizer.grad_scaler = grad_scaler
+        reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+        self.exchange = ParamExchange(self.sharding, device=self.device, param_dtype=self.param_dtype,
+                                      reduce_dtype=reduce_dtype, mode=exchange, slots=2 if overlap else 1)
+        self._pull: _PullStream | None = None
+        self._push: _PushStream | None = None
+
+    # ------------------------------------------------------------------- building
+    def _build_stage(self, rep: ReplicaType, sp: bool, make_config, build_model) -> Stage:
+        config = make_config(rep.tp, rep.cp, rep.pp, sp)
+        tp_rank, _, pp_rank = rep.coords(self.rank)
+        where = torch.device("meta") if self.device.type == "meta" else contextlib.nullcontext()
+        with where:
+            model = build_model(config, pp_rank == 0, pp_rank == rep.pp - 1, self.registry.collection(rep))
+        local = map_stage(model, self.space, rep.tp, tp_rank, self.gated)
+        numel = sum(lp.numel for lp in local)
+        if numel > self.params.numel():
+            self._grow_buffers(numel)
+        stage = Stage(rep, StageRunner(model, config, rep, self.rank, self.num_layers), local, sp, numel)
+        self._bind(stage)
+        for lp in local:
+            stage.runs.append((tuple(r.shifted(lp.offset) for r in lp.runs), lp.pushes_grad))
+            stage.push_buckets.append(sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)})
+                                      if lp.pushes_grad else [])
+            lp.param.register_post_accumulate_grad_hook(self._grad_hook(stage, len(stage.push_buckets) - 1))
+        for module, buckets in self._module_buckets(model, local):
+            module.register_forward_pre_hook(self._pull_hook(max(buckets)))
+        return stage
+
+    def _grow_buffers(self, numel: int) -> None:
+        self.params = torch.empty(numel, dtype=self.param_dtype, device=self.device)
+        self.main_grads = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        for stage in self.stages.values():  # rebind the smaller stages built before
+            self._bind(stage)
+
+    def _bind(self, stage: Stage) -> None:
+        for lp in stage.local:
+            shape = lp.param.shape
+            lp.param.data = self.params[lp.offset : lp.offset + lp.numel].view(shape)
+            lp.param.main_grad = self.main_grads[lp.offset : lp.offset + lp.numel].view(shape)
+
+    def _module_buckets(self, model, local: list[LocalParam]):
+        """The modules a forward enters in model order, with the buckets their parameters touch."""
+        by_param = {id(lp.param): lp for lp in local}
+        modules = []
+        for name in ("embedding",):
+            if getattr(model, name, None) is not None:
+                modules.append(getattr(model, name))
+        decoder = getattr(model, "decoder", None)
+        if decoder is not None:
+            modules += list(decoder.layers)
+            if getattr(decoder, "final_layernorm", None) is not None:
+                modules.append(decoder.final_layernorm)
+        if getattr(model, "output_layer", None) is not None:
+            modules.append(model.output_layer)
+        for m in modules:
+            buckets = {b for p in m.parameters() if id(p) in by_param for r in by_param[id(p)].runs
+                       for b in self.sharding.buckets_of(r.canon, r.canon_end)}
+            if buckets:
+                yield m, buckets
+
+    def _gather_stage_runs(self) -> dict:
+        """Every rank's runs for every replica type it plays: O(tensors) per rank, once."""
+        mine = {rep: stage.runs for rep, stage in self.stages.items()}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        return {(rep, r): runs for r, per_rank in enumerate(everyone) for rep, runs in per_rank.items()}
+
+    def _decay_runs(self) -> list[tuple[int, int, bool]]:
+        """(shard start, shard end, no_weight_decay) of this rank's shard."""
+        flags = self.space.no_weight_decay_runs()
+        out = []
+        for piece in self.sharding.pieces(self.rank):
+            for s, e, nwd in flags:
+                lo, hi = max(s, piece.start), min(e, piece.end)
+                if lo < hi:
+                    out.append((piece.offset + lo - piece.start, piece.offset + hi - piece.start, nwd))
+        merged = []
+        for run in out:
+            if merged and merged[-1][2] == run[2] and merged[-1][1] == run[0]:
+                merged[-1] = (merged[-1][0], run[1], run[2])
+            else:
+                merged.append(run)
+        return merged
 
     def single_rank_collection(self):
         """Groups of size one: for building the full model (canonical space, references)."""
@@ -120,32 +232,44 @@ class AdaptiveEngine:
         return ProcessGroupCollection(tp=me, cp=me, pp=me, tp_cp=me, mp=me, embd=me, pos_embd=me, dp=me,
                                       dp_cp=me, intra_dp_cp=me, tp_dp_cp=me)
 
+    # ------------------------------------------------------------------- memory
+    def persistent_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the whole run, by kind (what the cost model charges)."""
+        out = {"parameters": self.params.numel() * self.params.element_size(),
+               "main_grads": self.main_grads.numel() * 4}
+        out.update(self.optimizer.persistent_bytes())
+        out["exchange"] = self.exchange.persistent_bytes()
+        return out
+
     # --------------------------------------------------------------- parameters
     def initial_shard(self, seed: int, std: float) -> torch.Tensor:
-        """Megatron's init scheme, drawn per canonical tensor from its own seeded stream, so
-        the initial model is the same whatever the world size or layout."""
-        start, end = self.bounds[self.rank]
-        shard = torch.empty(end - start, dtype=torch.float32)
+        """Megatron's init scheme, drawn per canonical tensor chunk from its own seeded
+        stream, so the initial model is the same whatever the world size or layout."""
+        shard = torch.empty(self.sharding.shard_numel(self.rank), dtype=torch.float32, device=self.device)
+        if self.device.type == "meta":
+            return shard
         for t in self.space.tensors.values():
-            lo, hi = max(start, t.offset), min(end, t.offset + t.numel)
-            if lo >= hi:
-                continue
-            shard[lo - start : hi - start] = init_values(t.name, t.numel, seed, std, self.num_layers)[
-                lo - t.offset : hi - t.offset]
+            for piece, lo, hi in self.sharding.overlaps(self.rank, t.offset, t.offset + t.numel):
+                for c in range((lo - t.offset) // INIT_CHUNK, (hi - 1 - t.offset) // INIT_CHUNK + 1):
+                    c0 = t.offset + c * INIT_CHUNK
+                    values = init_values(t.name, c, min(INIT_CHUNK, t.offset + t.numel - c0), seed, std,
+                                         self.num_layers)
+                    a, b = max(lo, c0), min(hi, c0 + values.numel())
+                    shard[piece.offset + a - piece.start : piece.offset + b - piece.start] = values[a - c0 : b - c0]
         return shard
 
     def set_canonical(self, flat: torch.Tensor, reset_optimizer: bool = False) -> None:
         """Replace the master parameters by a full canonical vector (tests, imports);
         optionally start the optimizer state afresh."""
-        start, end = self.bounds[self.rank]
+        shard = self.sharding.shard_of(flat.to(self.device).float(), self.rank)
         if reset_optimizer:
             old = self.optimizer
-            self.optimizer = ShardedAdamW(flat[start:end].float(), self.space.no_weight_decay_mask()[start:end],
-                                          lr=old.inner.defaults["lr"], weight_decay=old.inner.defaults["weight_decay"],
-                                          betas=old.inner.defaults["betas"], eps=old.inner.defaults["eps"],
-                                          clip_grad=old.clip_grad)
+            d = old.inner.defaults
+            self.optimizer = ShardedAdamW(shard, self._decay_runs(), lr=d["lr"], weight_decay=d["weight_decay"],
+                                          betas=d["betas"], eps=d["eps"], clip_grad=old.clip_grad)
+            self.optimizer.grad_scaler = self.grad_scaler
         else:
-            self.optimizer.set_master(flat[start:end].float())
+            self.optimizer.set_master(shard)
 
     def gather_canonical(self) -> torch.Tensor:
         """The whole master vector on every rank (collective; checkpoints export, tests)."""
@@ -175,42 +299,173 @@ class AdaptiveEngine:
         _, c, _ = stage.rep.coords(self.rank)
         hidden = stage.runner.config.hidden_size
         return [
-            localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers)
+            localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers,
+                     device=self.device)
             for b, mb in zip(batches, self.my_replica(it).micro_batches)
         ]
 
-    def _reduce_loss(self, stage: Stage, loss_sum: float, tokens: float, moved: float = 0.0) -> list[float]:
+    def _layout_plan(self, it: IterationPlan):
+        key = layout_key(it)
+        layout = [self._all_runs[(replica_type_of(r), q)] for q in range(self.world)
+                  for r in it.replicas if q in r.ranks]
+        return self.exchange.plan(key, layout)
+
+    def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
-        and whatever else every rank adds (bytes moved)."""
+        bytes moved summed, the longest wait."""
         counts = stage.runner.last and stage.rep.coords(self.rank)[0] == 0
-        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved], dtype=torch.float64)
+        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved], dtype=torch.float64,
+                             device=self.device)
         dist.all_reduce(total)
-        return total.tolist()
+        wait = torch.tensor([waited], dtype=torch.float64, device=self.device)
+        dist.all_reduce(wait, op=dist.ReduceOp.MAX)
+        return total.tolist() + wait.tolist()
+
+    def _begin_pull(self, it: IterationPlan, stage: Stage):
+        plan = self._layout_plan(it)
+        self._pull = _PullStream(self.exchange, plan, self.optimizer.master(), self.params, self.overlap)
+        return plan
 
     def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
         """Forward only under the plan's layout: (loss sum, loss tokens) over the batch."""
         stage = self.stage_for(it)
-        self.exchange.pull(layout_key(it), stage.local, self.optimizer.master())
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
-        return tuple(self._reduce_loss(stage, *stage.runner.evaluate(self._localize(it, stage, batches)))[:2])
+        self._begin_pull(it, stage)
+        try:
+            loss_sum, tokens = stage.runner.evaluate(self._localize(it, stage, batches), self._pull)
+            self._pull.drain()
+        finally:
+            self._pull = None
+        return tuple(self._reduce(stage, loss_sum, tokens, 0.0, 0.0)[:2])
 
     def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
         """One training step. `batches`: this rank's replica's micro-batches (ThdBatch, plan
         order), padded per `padding_for`; `loss_tokens`: the global batch's loss-token count."""
         stage = self.stage_for(it)
-        key = layout_key(it)
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
         moved_before = self.exchange.bytes_pulled + self.exchange.bytes_pushed
-        self.exchange.pull(key, stage.local, self.optimizer.master())
-        for lp in stage.local:
-            lp.param.grad = None
-        loss_sum, tokens = stage.runner.run(self._localize(it, stage, batches), 1.0 / max(loss_tokens, 1))
+        waited_before = self.exchange.wait_s
+        t0 = time.perf_counter()
+        plan = self._begin_pull(it, stage)
+        sync_s = time.perf_counter() - t0 if not self.overlap else 0.0
+        self.main_grads[: stage.numel].zero_()
         self.optimizer.zero_grad()
-        self.exchange.push(key, stage.local, self.optimizer.grad)
+        scale = float(self.grad_scaler.scale.item()) if self.grad_scaler is not None else 1.0
+        self._push = _PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, stage.push_buckets,
+                                 self.overlap)
+        try:
+            micro_batches = self._localize(it, stage, batches)
+            loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull, self._push)
+            self._pull.drain()
+            t1 = time.perf_counter()
+            self._push.finish()
+            if not self.overlap:
+                sync_s += time.perf_counter() - t1
+        finally:
+            self._pull = self._push = None
+        if self.grad_scaler is not None:
+            self.optimizer.unscale(1.0 / scale)
         ok, norm = self.optimizer.step()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not ok)
         moved = self.exchange.bytes_pulled + self.exchange.bytes_pushed - moved_before
-        total_loss, total_tokens, total_moved = self._reduce_loss(stage, loss_sum, tokens, moved)
-        return StepResult(total_loss, total_tokens, norm, ok, total_moved)
+        waited = sync_s if not self.overlap else self.exchange.wait_s - waited_before
+        total_loss, total_tokens, total_moved, worst_wait = self._reduce(stage, loss_sum, tokens, moved, waited)
+        return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale)
+
+    # ----------------------------------------------------------------- hooks
+    def _pull_hook(self, bucket: int):
+        def hook(module, args):
+            if self._pull is not None:
+                self._pull.need(bucket)
+        return hook
+
+    def _grad_hook(self, stage: Stage, index: int):
+        lp = stage.local[index]
+
+        def hook(param):
+            param.main_grad.add_(param.grad)
+            param.grad = None
+            if self._push is not None and self._push.tracking and lp.pushes_grad:
+                self._push.ready(stage.push_buckets[index])
+        return hook
+
+
+class _PullStream:
+    """This step's pull, bucket by bucket in canonical order. Overlapped: `slots` buckets in
+    flight, a layer's pre-forward hook waits for the buckets it needs and starts the next;
+    every rank takes part in every bucket, so a stage that waits on a peer first drains."""
+
+    def __init__(self, exchange: ParamExchange, plan, master, params, overlap: bool):
+        self.exchange, self.plan, self.master, self.params = exchange, plan, master, params
+        self.total = len(plan.pull)
+        self.launched = self.done = 0
+        self.inflight: deque = deque()
+        if not overlap:
+            for b in range(self.total):
+                exchange.start_pull(plan, b, master, params, slot=0).wait()
+            self.launched = self.done = self.total
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
+        while self.launched < self.total and len(self.inflight) < self.exchange.num_slots:
+            b = self.launched
+            self.inflight.append(self.exchange.start_pull(self.plan, b, self.master, self.params,
+                                                          slot=b % self.exchange.num_slots))
+            self.launched += 1
+
+    def need(self, bucket: int) -> None:
+        while self.done <= min(bucket, self.total - 1):
+            self.inflight.popleft().wait()
+            self.done += 1
+            self._launch()
+
+    def drain(self) -> None:
+        self.need(self.total - 1)
+
+
+class _PushStream:
+    """This step's push, bucket by bucket from the last. Overlapped: during the last
+    micro-batch's backward each parameter's final gradient marks its buckets; a bucket is
+    sent once it and every later bucket are complete (the same order on every rank)."""
+
+    def __init__(self, exchange: ParamExchange, plan, grads, grad_shard, push_buckets, overlap: bool):
+        self.exchange, self.plan, self.grads, self.grad_shard = exchange, plan, grads, grad_shard
+        self.overlap = overlap
+        self.tracking = False
+        self.pending = [0] * len(plan.push)
+        for buckets in push_buckets:
+            for b in buckets:
+                self.pending[b] += 1
+        self.next = len(plan.push) - 1
+        self.inflight: deque = deque()
+
+    def last_backward(self) -> None:
+        """The last micro-batch's backward is about to run: from now on gradients are final."""
+        if self.overlap:
+            self.tracking = True
+            self._issue()
+
+    def ready(self, buckets) -> None:
+        for b in buckets:
+            self.pending[b] -= 1
+        self._issue()
+
+    def _issue(self, force: bool = False) -> None:
+        slots = self.exchange.num_slots
+        while self.next >= 0 and (force or self.pending[self.next] <= 0):
+            if len(self.inflight) == slots:
+                self.inflight.popleft().wait()
+            b = self.next
+            self.inflight.append(self.exchange.start_push(self.plan, b, self.grads, self.grad_shard, slot=b % slots))
+            self.next -= 1
+
+    def finish(self) -> None:
+        self.tracking = False
+        self._issue(force=True)
+        while self.inflight:
+            self.inflight.popleft().wait()
 
 
 def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:
@@ -227,13 +482,14 @@ def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:
     tracker.add("expert-parallel-rng", base + 1024 + tp_rank)
 
 
-def init_values(name: str, numel: int, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """Megatron's defaults: norms 1, biases 0, output projections N(0, std/sqrt(2L)), else N(0, std)."""
+def init_values(name: str, chunk: int, numel: int, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """Megatron's defaults: norms 1, biases 0, output projections N(0, std/sqrt(2L)), else N(0,
+    std); drawn per chunk of a tensor from a stream seeded by (seed, name, chunk)."""
     if name.endswith(".bias"):
         return torch.zeros(numel)
     if "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_norm_weight"):
         return torch.ones(numel)
     scaled = name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight")
     sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * chunk) % 2**63)
     return torch.randn(numel, generator=gen) * sigma

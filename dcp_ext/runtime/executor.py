@@ -6,6 +6,10 @@ micro-batch is its token-loss sum times `loss_scale` (1 / the global batch's los
 count), so gradients do not depend on how documents were split (DESIGN.md, "Loss").
 Recompute is chosen per micro-batch by setting the stage config's full-recompute layer
 count before its forward (megatron-core reads it at forward time).
+The engine's pull and push streams ride along: every pull must be complete before a
+stage blocks on a peer (its first receive) or sends its first activation, since all
+ranks take part in every bucket; the push starts tracking final gradients when the last
+micro-batch's backward begins.
 """
 from __future__ import annotations
 
@@ -81,14 +85,18 @@ class StageRunner:
                          packed_seq_params=mb.packed_seq_params)
         return out
 
-    def evaluate(self, micro_batches: list[LocalMicroBatch]) -> tuple[float, float]:
+    def evaluate(self, micro_batches: list[LocalMicroBatch], pull=None) -> tuple[float, float]:
         """Forward only, stage by stage. Returns (loss sum, loss tokens) on the last stage."""
         self.model.eval()
+        pull = pull or _NoStream()
         loss_sum, tokens = 0.0, 0.0
         with torch.no_grad():
             for i, mb in enumerate(micro_batches):
+                if not self.first:
+                    pull.drain()
                 x = self._recv_forward(i, micro_batches)
                 out = self._forward(mb, x)
+                pull.drain()
                 if self.last:
                     mask = mb.loss_mask.to(out.device).float()
                     loss_sum += float((out.float() * mask).sum())
@@ -98,10 +106,13 @@ class StageRunner:
         self.model.train()
         return loss_sum, tokens
 
-    def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float) -> tuple[float, float]:
+    def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float, pull=None, push=None) -> tuple[float, float]:
         """Forward and backward every micro-batch (1F1B). Returns (loss sum, loss tokens) on
         the last stage, (0, 0) elsewhere."""
         self.model.train()
+        pull, push = pull or _NoStream(), push or _NoStream()
+        if not self.first:
+            pull.drain()
         n = len(micro_batches)
         warmup = min(self.rep.pp - self.pp_rank - 1, n)
         pending = deque()  # (input activation, output) awaiting backward
@@ -112,6 +123,7 @@ class StageRunner:
             nonlocal loss_sum, tokens
             mb = micro_batches[i]
             out = self._forward(mb, x)
+            pull.drain()
             if self.last:
                 mask = mb.loss_mask.to(out.device).float()
                 per_mb = (out.float() * mask).sum()
@@ -121,7 +133,12 @@ class StageRunner:
             pending.append((x, out))
             return out
 
+        backwards = [0]
+
         def backward(grad):
+            backwards[0] += 1
+            if backwards[0] == n:
+                push.last_backward()
             x, out = pending.popleft()
             if self.last:
                 out.backward()
@@ -182,6 +199,14 @@ class StageRunner:
         if received is not None and recv_from == self.prev:
             received.requires_grad_()
         return received
+
+
+class _NoStream:
+    def drain(self):
+        pass
+
+    def last_backward(self):
+        pass
 
 
 def _device(model):

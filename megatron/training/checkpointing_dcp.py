@@ -35,11 +35,9 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
         "exp_avg": engine.exchange.allgather(avg),
         "exp_avg_sq": engine.exchange.allgather(avg_sq),
     }
-    owners = [s for s, _ in engine.bounds]
     state = {}
     for t in engine.space.tensors.values():
-        owner = max(r for r, start in enumerate(owners) if start <= t.offset)
-        if owner != engine.rank:
+        if engine.sharding.owner_of(t.offset) != engine.rank:
             continue
         for kind in KINDS:
             value = full[kind][t.offset : t.offset + t.numel].view(t.shape).clone()
@@ -74,8 +72,9 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if saved != ours:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
-    start, end = engine.bounds[engine.rank]
-    needed = [t for t in engine.space.tensors.values() if t.offset < end and t.offset + t.numel > start]
+    sharding = engine.sharding
+    needed = [t for t in engine.space.tensors.values()
+              if any(True for _ in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel))]
     kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
     request = {
         _key(kind, t.name): _sharded(_key(kind, t.name), torch.empty(t.shape), replica_id=engine.rank)
@@ -83,11 +82,12 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     }
     # each rank reads only the tensors its shard overlaps: no rank holds "the" main replica
     state = ckpt.load_or_explain(request, path, validate_access_integrity=False)
-    shard = {kind: torch.zeros(end - start) for kind in kinds}
+    shard = {kind: torch.zeros(sharding.shard_numel(engine.rank)) for kind in kinds}
     for t in needed:
-        lo, hi = max(start, t.offset), min(end, t.offset + t.numel)
-        for kind in kinds:
-            shard[kind][lo - start : hi - start] = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
+        for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
+            for kind in kinds:
+                values = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
+                shard[kind][piece.offset + lo - piece.start : piece.offset + hi - piece.start] = values
     engine.optimizer.set_master(shard["param"])
     if "exp_avg" in shard:
         engine.optimizer.set_moments(shard["exp_avg"], shard["exp_avg_sq"], int(common["adam_step"]))

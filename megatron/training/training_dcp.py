@@ -61,6 +61,19 @@ def vocab_padding_for(replica_types, args) -> int:
     return padded_vocab_size(get_tokenizer().vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
 
 
+def grad_scaler_for(args):
+    """--fp16: megatron-core's loss scaler (dynamic unless --loss-scale), else none."""
+    if not args.fp16:
+        return None
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if args.loss_scale is not None:
+        return ConstantGradScaler(args.loss_scale)
+    return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=int(args.loss_scale_window),
+                             hysteresis=args.hysteresis)
+
+
 def build_planner(args, train_ds):
     from dcp_ext.planner import make_planner
     from dcp_ext.specs import ModelSpec
@@ -136,11 +149,15 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         sequence_parallel=args.sequence_parallel,
         lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_eps, clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
-        exchange=args.dcp_exchange,
+        exchange=args.dcp_exchange, overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
+        grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
+        bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
     )
+    held = engine.persistent_bytes()
     print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
                  f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
-                 f"sharded over {args.world_size} ranks")
+                 f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
+                 + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
     scheduler = build_scheduler(args, engine.optimizer)
     iteration, consumed = 0, 0
     if args.load:
@@ -180,7 +197,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             scheduler.step(increment=1)
-        nan_streak = 0 if ok else nan_streak + 1
+        overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
+        nan_streak = 0 if (ok or overflow) else nan_streak + 1
         if nan_streak >= args.max_nan_iterations:
             from megatron.training.training import TrainingError
 
@@ -192,7 +210,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         summary = layout_summary(it)
         window_layouts[summary.split(" | ")[0][len("layout: "):]] += 1
         extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
-                 f"{1000 * elapsed:.1f} | plan (ms): {1000 * plan_s:.1f} | tokens: {sum(batch.lengths)} |")
+                 f"{1000 * elapsed:.1f} | plan (ms): {1000 * plan_s:.1f} | exposed comm (ms): "
+                 f"{1000 * result.exposed_comm_s:.1f} | tokens: {sum(batch.lengths)} |")
         if iteration % args.log_interval == 0:
             if args.log_interval > 1:
                 extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in window_layouts.items()) + " |"
@@ -200,7 +219,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         logger.log_iteration(iteration, stream.consumed_samples, elapsed, {"lm loss": result.loss}, scheduler,
                              engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra,
                              record={"tokens": sum(batch.lengths), "elapsed_s": elapsed,
-                                     "bytes_moved": result.bytes_moved, "layout": summary})
+                                     "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
+                                     "layout": summary})
         history.append((iteration, result.loss))
         if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
             loss = evaluate(args, engine, eval_planner, valid_ds)
