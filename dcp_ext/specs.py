@@ -134,9 +134,12 @@ class ModelSpec:
     swiglu: bool = True
     untie_embeddings_and_output_weights: bool = True
     param_bytes: int = 2  # bf16 parameters
-    grad_bytes: int = 2  # gradient buffer (and the push) in the parameter dtype
-    optimizer_bytes_per_param: int = 12  # fp32 master copy + Adam m, v (sharded over all ranks)
+    grad_bytes: int = 4  # main gradients: accumulated in fp32 over micro-batches (Megatron's main_grad)
+    optimizer_bytes_per_param: int = 16  # fp32 master + fp32 gradient shard + Adam m, v (sharded over all ranks)
     activation_bytes: int = 2
+    grad_reduce_bytes: int = 4  # gradients as pushed to the fixed sharding (2 with --grad-reduce-in-bf16)
+    bucket_numel: int = 0  # elements per exchange bucket (0: the runtime's default rule)
+    exchange_slots: int = 1  # exchange buffers in flight: 2 when pull/push overlap compute
     sequence_parallel: bool = True  # with tp > 1
     hidden_dropout: bool = False  # keeps 1-byte masks per dropout site when True
     gated_linear_unit: bool = field(default=False, repr=False)  # alias kept for Megatron args
@@ -175,6 +178,17 @@ class ModelSpec:
             return self.num_params
         # the last stage holds the output layer (a synced copy of the embedding when tied)
         return layers + emb + self.hidden_size
+
+    def local_stage_params(self, tp: int, pp: int) -> float:
+        """Parameters one rank holds for the heaviest stage of (tp, pp): matrices and the
+        vocabulary split over tp, norms replicated."""
+        h = self.hidden_size
+        layer = (self.layer_params - 2 * h) / tp + 2 * h
+        emb = self.embedding_params / tp
+        layers = self.num_layers // pp * layer
+        if pp == 1:
+            return layers + emb * (2 if self.untie_embeddings_and_output_weights else 1) + h
+        return layers + emb + h  # the last stage: output layer (or the tied copy) + final norm
 
     def valid_tp(self, tp: int) -> bool:
         return self.num_attention_heads % tp == 0 and self.num_query_groups % tp == 0
@@ -219,9 +233,12 @@ class ModelSpec:
             swiglu=swiglu,
             untie_embeddings_and_output_weights=bool(g("untie_embeddings_and_output_weights", False)),
             param_bytes=2 if half else 4,
-            grad_bytes=4 if (g("accumulate_allreduce_grads_in_fp32", False) or not half) else 2,
-            optimizer_bytes_per_param=12 if half else 8,
+            grad_bytes=4,
+            optimizer_bytes_per_param=16,
             activation_bytes=2 if half else 4,
+            grad_reduce_bytes=2 if (g("bf16", False) and g("grad_reduce_in_bf16", False)) else 4,
+            bucket_numel=int(g("ddp_bucket_size", 0) or 0),
+            exchange_slots=2 if (g("overlap_param_gather", False) or g("overlap_grad_reduce", False)) else 1,
             sequence_parallel=bool(g("sequence_parallel", True)),
             hidden_dropout=dropout,
         )
@@ -242,6 +259,15 @@ class ModelSpec:
         return replace(self, **changes)
 
 
+def bucket_numel_for(num_params: int, requested: int = 0) -> int:
+    """Elements per bucket of the runtime's fixed sharding: `requested` (--ddp-bucket-size)
+    or Megatron's 40M for large models, at least 16 buckets for small ones (so CPU runs
+    overlap too), never below 64K elements."""
+    if requested:
+        return int(requested)
+    return max(min(40_000_000, -(-num_params // 16)), min(num_params, 65_536), 1)
+
+
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
@@ -254,6 +280,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # (megatron-core's ByteLevelTokenizer, 512), tied embeddings.
     "demo": ModelSpec(
         "demo", 4, 128, 8, 4, 352, 512, 2048, swiglu=True, untie_embeddings_and_output_weights=False,
-        param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8, activation_bytes=4,
+        param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=16, activation_bytes=4,
     ),
 }

@@ -29,7 +29,7 @@ def timeline_rows(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]
             fwd.append(f)
             bwd.append(b)
         sync = cm.sync_time(lay, R)
-        pull = sync * cm.model.param_bytes / (cm.model.param_bytes + cm.model.grad_bytes)
+        pull = sync * cm.model.param_bytes / (cm.model.param_bytes + cm.model.grad_reduce_bytes)
         res = one_f_one_b(fwd, bwd, lay.pp, record=True)
         label = f"r{k} {lay} ranks {rep.ranks[0]}-{rep.ranks[-1]}"
         rows.append((label, pull, res.events, pull + res.makespan, sync + res.makespan))

@@ -45,13 +45,14 @@ def make_builders(args):
     return make_config, build_model
 
 
-def make_engine(args, replica_types, sequence_parallel=False, exchange="targeted"):
+def make_engine(args, replica_types, sequence_parallel=False, exchange="targeted", **options):
+    """options: AdaptiveEngine's (overlap, bucket_numel, device, grad_scaler, ...)."""
     from dcp_ext.runtime.engine import AdaptiveEngine
 
     make_config, build_model = make_builders(args)
     return AdaptiveEngine(replica_types, make_config, build_model, sequence_parallel=sequence_parallel,
                           lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps, clip_grad=args.clip_grad,
-                          exchange=exchange)
+                          exchange=exchange, **options)
 
 
 def random_docs(n: int, seed: int, lo: int = 5, hi: int = 70) -> list[np.ndarray]:

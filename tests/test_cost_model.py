@@ -64,8 +64,25 @@ def test_recompute_costs_time_and_saves_memory(cm7):
 def test_state_memory_by_hand(cm7):
     m, n = cm7.model, cm7.cluster.num_gpus
     P = m.num_params
-    assert cm7.state_bytes(Layout(1, 1, 1)) == pytest.approx(P * (2 + 2) + 12 * P / n)
-    assert cm7.state_bytes(Layout(4, 2, 1)) == pytest.approx(P * 4 / 4 + 12 * P / n)
+    # bf16 parameters + fp32 main grads of the stage, fp32 master + gradient + Adam m, v
+    # sharded over all ranks, one 40M-element bucket's send and receive buffers (fp32)
+    exchange = 2 * 40_000_000 * 4
+    assert cm7.state_bytes(Layout(1, 1, 1)) == pytest.approx(P * (2 + 4) + 16 * P / n + exchange)
+    # TP4 splits every matrix and the vocabulary; norms (a few 1e-4 of P) stay whole
+    assert cm7.state_bytes(Layout(4, 2, 1)) == pytest.approx(P / 4 * (2 + 4) + 16 * P / n + exchange, rel=1e-3)
+
+
+def test_pool_shares_buffers_sized_to_its_largest_stage():
+    from dcp_ext.cost_model import CostModel
+    from dcp_ext.specs import ClusterSpec, ModelSpec
+
+    cm = CostModel(ModelSpec.from_preset("llama2-7b"), ClusterSpec.from_preset("h200x64"))
+    alone = {lay: cm.state_bytes(lay) for lay in (Layout(1, 1, 1), Layout(8, 1, 1), Layout(2, 1, 2))}
+    assert alone[Layout(8, 1, 1)] < alone[Layout(2, 1, 2)] < alone[Layout(1, 1, 1)]
+    cm.charge_shared_buffers([Layout(8, 1, 1), Layout(2, 1, 2)])
+    # TP8 now pays for the TP2xPP2 stage the same ranks also play; TP1 is not in the pool
+    assert cm.state_bytes(Layout(8, 1, 1)) == pytest.approx(alone[Layout(2, 1, 2)])
+    assert cm.state_bytes(Layout(1, 1, 1)) == pytest.approx(alone[Layout(1, 1, 1)])
 
 
 def test_max_tokens_is_where_memory_runs_out(cm7):
@@ -83,11 +100,12 @@ def test_tensor_and_context_parallel_cut_activation_memory(cm7):
 
 
 def test_sync_by_hand(cm7):
-    # TP1 on 64 GPUs: every device receives all parameters, 7/8 of them over the network
+    # TP1 on 64 GPUs: every device receives all parameters (bf16), 7/8 of them over the
+    # network, and pushes all gradients (fp32 unless --grad-reduce-in-bf16)
     P = cm7.model.num_params
     bw = cm7.cluster.gpu.inter_node_bw
     t = cm7.sync_time(Layout(1, 1, 1), None)
-    expected = 2 * (P * 2 * 56 / 64 / bw)
+    expected = P * (2 + 4) * 56 / 64 / bw
     assert t == pytest.approx(expected, rel=0.01)
     assert cm7.sync_time(Layout(2, 1, 2), None) < t / 3
 

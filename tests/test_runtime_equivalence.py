@@ -36,11 +36,13 @@ def _relative_error(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _worker(rank, world, sequence_parallel, exchange):
+def _worker(rank, world, sequence_parallel, exchange, overlap):
     from tests.runtime_helpers import Reference, engine_step, make_engine, plan_for, random_docs, tiny_args
 
     args = tiny_args(world)
-    engine = make_engine(args, _types(LAYOUTS.values()), sequence_parallel=sequence_parallel, exchange=exchange)
+    # small buckets (many per layer) so the overlapped pull/push really interleave with compute
+    engine = make_engine(args, _types(LAYOUTS.values()), sequence_parallel=sequence_parallel, exchange=exchange,
+                         overlap=overlap, bucket_numel=5000 if overlap else None)
     init = engine.gather_canonical()
     report = {"groups": engine.registry.num_groups}
     # one step under each layout, from the same start
@@ -71,9 +73,10 @@ def _worker(rank, world, sequence_parallel, exchange):
     return report
 
 
-@pytest.mark.parametrize("sequence_parallel,exchange", [(False, "targeted"), (True, "allgather")])
-def test_every_layout_matches_single_process_reference(sequence_parallel, exchange):
-    reports = spawn(_worker, 4, sequence_parallel, exchange)
+@pytest.mark.parametrize("sequence_parallel,exchange,overlap",
+                         [(False, "targeted", False), (True, "allgather", False), (True, "targeted", True)])
+def test_every_layout_matches_single_process_reference(sequence_parallel, exchange, overlap):
+    reports = spawn(_worker, 4, sequence_parallel, exchange, overlap)
     for rank, report in enumerate(reports):
         for name in list(LAYOUTS) + ["sequence"]:
             for what, err in report[name].items():

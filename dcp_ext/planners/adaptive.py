@@ -135,6 +135,7 @@ class AdaptivePlanner(PlannerBase):
 
             self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb,
                                    extra_batches=extras, exact=exact)
+        self._charge_pool_buffers(recompute)
         self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
         for c in self.pool.layouts:
@@ -142,6 +143,23 @@ class AdaptivePlanner(PlannerBase):
         self._current: Counts | None = None
         self._last_index: int | None = None
         self.last_choice: dict = {}
+
+    def _charge_pool_buffers(self, recompute: str) -> None:
+        """A rank's stages share one buffer sized to the pool's largest stage: from now on
+        every layout is charged that, and its tables are rebuilt; a pool entry whose
+        layout then holds nothing is dropped."""
+        used = sorted({l for c in self.pool.layouts for l, _ in c})
+        self.cm.charge_shared_buffers(used)
+        self.tables = {l: make_type_table(self.cm, l, recompute) for l in used}
+        self.tables = {l: t for l, t in self.tables.items() if t.caps_alone and t.max_doc > 0}
+        keep = [i for i, c in enumerate(self.pool.layouts) if all(l in self.tables for l, _ in c)]
+        if not keep:
+            raise PlanningError(f"no layout of {self.model.name} fits {self.cluster.name} beside the shared "
+                                f"parameter buffers of its pool ({self.cm.buffer_params / 1e9:.2f}B parameters)")
+        if len(keep) < len(self.pool.layouts):
+            p = self.pool
+            times = p.sample_times[keep] if len(p.sample_times) == len(p.layouts) else p.sample_times
+            self.pool = Pool([p.layouts[i] for i in keep], p.types, times, p.dp_layouts)
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)

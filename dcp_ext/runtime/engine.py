@@ -194,9 +194,13 @@ class AdaptiveEngine:
                 modules.append(decoder.final_layernorm)
         if getattr(model, "output_layer", None) is not None:
             modules.append(model.output_layer)
+        # whole canonical tensors, not this rank's slices: every rank of a replica must wait
+        # for the same buckets before the same module, or a TP peer that waits longer would
+        # hold the others in the module's collectives while they hold back its bucket
         for m in modules:
-            buckets = {b for p in m.parameters() if id(p) in by_param for r in by_param[id(p)].runs
-                       for b in self.sharding.buckets_of(r.canon, r.canon_end)}
+            names = {by_param[id(p)].canonical for p in m.parameters() if id(p) in by_param}
+            tensors = [self.space.tensors[n] for n in names]
+            buckets = {b for t in tensors for b in self.sharding.buckets_of(t.offset, t.offset + t.numel)}
             if buckets:
                 yield m, buckets
 
@@ -453,9 +457,14 @@ class _PushStream:
         self._issue()
 
     def _issue(self, force: bool = False) -> None:
+        """Send every complete bucket there is a free slot for. Inside backward this never
+        blocks (a full slot waits for a later call): a peer stage may be waiting on this
+        rank's activation gradient before it can join the transfer."""
         slots = self.exchange.num_slots
         while self.next >= 0 and (force or self.pending[self.next] <= 0):
             if len(self.inflight) == slots:
+                if not (force or self.inflight[0].done()):
+                    return
                 self.inflight.popleft().wait()
             b = self.next
             self.inflight.append(self.exchange.start_push(self.plan, b, self.grads, self.grad_shard, slot=b % slots))

@@ -240,6 +240,9 @@ class _Pending:
     def __init__(self, exchange: ParamExchange, work, finish):
         self.exchange, self.work, self.finish = exchange, work, finish
 
+    def done(self) -> bool:
+        return self.work.is_completed()
+
     def wait(self) -> None:
         t0 = time.perf_counter()
         self.work.wait()
@@ -250,6 +253,9 @@ class _Pending:
 class _Done:
     def __init__(self, run):
         self.run = run
+
+    def done(self) -> bool:
+        return True
 
     def wait(self) -> None:
         self.run()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dcp_ext.specs import bucket_numel_for
+
 
 def even_split(numel: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) of each of `parts` pieces; the first `numel % parts` get one element more."""
@@ -25,12 +27,6 @@ def even_split(numel: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
-
-
-def default_bucket_numel(numel: int) -> int:
-    """Megatron's 40M-element buckets for large models; at least 8 buckets for small ones
-    (so CPU runs overlap too), never below 64K elements."""
-    return max(min(40_000_000, -(-numel // 8)), min(numel, 65_536), 1)
 
 
 @dataclass(frozen=True)
@@ -51,7 +47,7 @@ class FixedSharding:
     def __init__(self, numel: int, world: int, bucket_numel: int | None = None):
         self.numel = numel
         self.world = world
-        self.bucket_numel = bucket_numel or default_bucket_numel(numel)
+        self.bucket_numel = bucket_numel_for(numel, bucket_numel or 0)
         self.buckets = [(s, min(s + self.bucket_numel, numel)) for s in range(0, numel, self.bucket_numel)] or [(0, 0)]
         self._pieces: list[list[Piece]] = [[] for _ in range(world)]  # per rank, in bucket order
         offsets = [0] * world

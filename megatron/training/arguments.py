@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the gradient reduce (--dcp: the push to the fixed sharding) with backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the parameter gather (--dcp: the pull from the fixed sharding) with forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (--dcp: per bucket of the fixed sharding; "
+                        "default 40M, at least 8 buckets)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -85,8 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale (fp16, or bf16 if given); default: dynamic loss scaling under --fp16")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="initial dynamic loss scale (--fp16)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="iterations without overflow after which the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the loss scale halves")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and all-reduce gradients in fp32 (always on with --bf16 unless --grad-reduce-in-bf16)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and all-reduce gradients in bf16 instead of fp32")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--max-nan-iterations", type=int, default=10,
                    help="stop after this many skipped NaN/inf iterations in a row")
@@ -259,6 +275,9 @@ def fill_derived(args: argparse.Namespace) -> None:
 
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    if args.bf16:
+        # Megatron: bf16 accumulates and all-reduces gradients in fp32 unless told otherwise.
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
     mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = args.world_size // mp if mp and args.world_size % mp == 0 else None
     if args.global_batch_size is None and args.data_parallel_size:
@@ -310,6 +329,12 @@ def validate_args(args: argparse.Namespace) -> None:
     need(args.max_position_embeddings >= args.seq_length or args.position_embedding_type != "learned_absolute",
          f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}")
     need(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    if args.fp16 and args.loss_scale is None:
+        need(args.initial_loss_scale > 0 and args.min_loss_scale > 0, "--initial-loss-scale and --min-loss-scale must be > 0")
+        need(args.initial_loss_scale >= args.min_loss_scale,
+             f"--initial-loss-scale {args.initial_loss_scale:g} is below --min-loss-scale {args.min_loss_scale:g}")
+        need(args.loss_scale_window > 0 and args.hysteresis > 0, "--loss-scale-window and --hysteresis must be > 0")
+    need(args.loss_scale is None or args.loss_scale > 0, "--loss-scale must be > 0 (omit it for dynamic loss scaling)")
     dp = args.data_parallel_size
     if not args.dcp:
         need(
@@ -324,7 +349,6 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
-        need(not args.fp16, "--dcp trains in fp32 or --bf16 (no loss scaling for --fp16): use --bf16")
         args.num_microbatches = None
     if args.save_interval is not None:
         need(args.save is not None, "--save-interval needs --save DIR")

@@ -134,8 +134,12 @@ def _common_args(args) -> argparse.Namespace:
 
 
 def unwrap(model):
-    """The GPTModel inside DDP: checkpoint keys are Megatron's (`decoder.layers...`), no wrapper prefix."""
-    return getattr(model, "module", model)
+    """The GPTModel inside DDP (and Float16Module under --bf16/--fp16): checkpoint keys are
+    Megatron's (`decoder.layers...`), no wrapper prefix."""
+    from megatron.core.transformer.module import Float16Module
+
+    model = getattr(model, "module", model)
+    return model.module if isinstance(model, Float16Module) else model
 
 
 # Optimizer state in model space (one tensor per parameter), so it reshards across TP/PP/DP.
@@ -224,6 +228,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         optimizer.load_state_dict(state["optimizer"])
         mcore_compat.finish_optimizer_load(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif args.bf16 or args.fp16:
+        # The fp32 master weights are copies, not views: refresh them from the loaded model
+        # (Megatron's load_checkpoint does the same), or the first step would undo the load.
+        optimizer.reload_model_params()
     if load_rng:
         set_rng_state(state["rng_state"])
     if args.finetune:

@@ -74,7 +74,8 @@ class TrainingLogger:
         loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
         if self.args.loss_log and self.last_rank:
             record = {"iteration": iteration, "lm loss": loss, "grad norm": grad_norm, "lr": lr,
-                      "consumed samples": consumed_samples, "skipped": not update_successful, **(record or {})}
+                      "consumed samples": consumed_samples, "skipped": not update_successful,
+                      "loss scale": loss_scale, **(record or {})}
             with open(self.args.loss_log, "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.consumed_samples = consumed_samples

@@ -108,6 +108,9 @@ def optimizer_config_from_args(args):
         params_dtype=dtype_of(args),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
@@ -134,17 +137,27 @@ def build_lr_scheduler(args, optimizer):
 
 
 def build_model_and_optimizer(args, model_provider: Callable):
-    """The model stage this rank holds, wrapped in megatron-core DDP, with its optimizer."""
+    """The model stage this rank holds, wrapped in megatron-core DDP, with its optimizer.
+
+    As upstream's `get_model`: under --bf16/--fp16 the model is wrapped in `Float16Module`
+    (every parameter and buffer in half precision, first-stage inputs cast to it, last-stage
+    outputs back to fp32); DDP keeps fp32 main grads when `--accumulate-allreduce-grads-in-fp32`
+    (implied by --bf16), and the optimizer keeps fp32 master weights (and, under --fp16, the
+    dynamic loss scaler).
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     config = transformer_config_from_args(args)
     pre_process = parallel_state.is_pipeline_first_stage()
     post_process = parallel_state.is_pipeline_last_stage()
     model = model_provider(config, pre_process=pre_process, post_process=post_process)
+    if args.fp16 or args.bf16:
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
@@ -287,6 +300,16 @@ def reduce_losses(losses) -> dict[str, float]:
     return {k: (vec[i, 0] / vec[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
 
+def loss_scaler_can_back_off(optimizer) -> bool:
+    """Whether every (chained) optimizer has a dynamic loss scaler still above its minimum."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    scalers = [getattr(opt, "grad_scaler", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return bool(scalers) and all(
+        isinstance(s, DynamicGradScaler) and bool((s.scale > s.min_scale).all()) for s in scalers
+    )
+
+
 def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
           iteration: int, consumed_samples: int, logger: TrainingLogger):
     from megatron.core import parallel_state
@@ -309,7 +332,10 @@ def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds
         loss = losses["lm loss"]
         if not math.isfinite(loss):
             ok = False
-        nan_streak = 0 if ok else nan_streak + 1
+        # An overflow that the dynamic loss scaler (--fp16) answers by backing off is a normal
+        # skipped iteration, as in Megatron; it is a NaN/inf iteration once the scale is at its floor.
+        bad = not ok and not (math.isfinite(loss) and loss_scaler_can_back_off(optimizer))
+        nan_streak = nan_streak + 1 if bad else 0
         if nan_streak >= args.max_nan_iterations:
             raise TrainingError(
                 f"{nan_streak} NaN/inf iterations in a row at iteration {iteration + 1}: lower --lr, "
