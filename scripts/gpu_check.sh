@@ -30,7 +30,7 @@ step "single GPU, local layers" python pretrain_gpt_dcp.py "${COMMON[@]}" --tran
 if python -c "import transformer_engine" 2>/dev/null; then
   step "single GPU, transformer-engine layers" python pretrain_gpt_dcp.py "${COMMON[@]}" --transformer-impl transformer_engine --loss-log "$OUT/te.jsonl"
 fi
-step "single GPU, --dcp adaptive (one-rank layouts)" python pretrain_gpt_dcp.py "${COMMON[@]}" --dcp \
+step "single GPU, --dcp adaptive (one-rank layouts, NCCL, overlapped pull/push)" python pretrain_gpt_dcp.py "${COMMON[@]}" --dcp --overlap-param-gather --overlap-grad-reduce \
     --dcp-global-batch-tokens 16384 --dcp-max-seq-len 1024 --loss-log "$OUT/dcp.jsonl"
 step "memory: measured vs predicted per micro-batch" python scripts/gpu_memory_check.py "${COMMON[@]}"
 if [ "$NGPU" -ge 2 ]; then

@@ -1,68 +1,90 @@
-"""Measured vs predicted peak memory per micro-batch on one GPU (issue 6, memory safety).
+"""Measured vs predicted memory of the adaptive runtime on one GPU (NCCL, world size 1).
 
-Builds the model given by Megatron flags at TP1/PP1/CP1 on the GPU, runs forward+backward
-of single packed micro-batches of growing token counts (with and without full recompute),
-and compares torch.cuda.max_memory_allocated with dcp_ext.cost_model's prediction
-(`replica_peak_bytes`). Prints a table and exits non-zero if any prediction is off by
-more than 10%. Run by scripts/gpu_check.sh; needs CUDA.
+Builds the `--dcp` engine for the model given by Megatron flags (one TP1 replica on this
+GPU: its shared parameter and fp32 main-grad buffers, the optimizer shard, the exchange
+buffers), then runs `engine.step` on single packed micro-batches of growing token counts,
+with and without full recompute, and compares
+- the engine's persistent bytes (measured: `torch.cuda.memory_allocated` after a first step
+  has created Adam's state) with `CostModel.state_bytes`, and
+- each step's peak (`torch.cuda.max_memory_allocated`) with `CostModel.replica_peak_bytes`.
+Prints a table; exits non-zero if a prediction is off by more than 10%. Run by
+scripts/gpu_check.sh; needs CUDA (without it, it says so and exits 0).
 
     python scripts/gpu_memory_check.py --yaml-cfg examples/cpu_demo.yaml --bf16
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
+
+TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_memory_check: no CUDA device; skipped")
         return 0
-    import os
-
     os.environ.setdefault("RANK", "0")
-    from dcp_ext.cost_model import CostModel
+    os.environ.setdefault("WORLD_SIZE", "1")
+    import pretrain_gpt_dcp as entry
+    from dcp_ext.cost_model import CostModel, Layout
     from dcp_ext.data.thd import build_micro_batch
+    from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+    from dcp_ext.runtime.engine import AdaptiveEngine
     from dcp_ext.runtime.groups import ReplicaType
-    from dcp_ext.runtime.executor import localize, set_recompute
     from dcp_ext.specs import ClusterSpec, ModelSpec
+    from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
     from megatron.training.training import transformer_config_from_args
-    import pretrain_gpt_dcp as entry
-    from megatron.training import global_vars
 
     args = parse_args(list(argv if argv is not None else sys.argv[1:]) + ["--dcp", "--dcp-global-batch-tokens",
-                                                                           "1048576"], world_size=1)
+                                                                           str(2 * max(TOKENS))], world_size=1)
     global_vars.set_args(args)
     initialize_distributed("nccl")
     global_vars.build_tokenizer(args)
-    from dcp_ext.runtime.groups import GroupRegistry
-
     rep = ReplicaType(1, 1, 1, (0,))
-    registry = GroupRegistry([rep])
-    config = transformer_config_from_args(args)
-    model = entry.model_provider(config, True, True, pg_collection=registry.collection(rep)).cuda()
+    engine = AdaptiveEngine(
+        [rep],
+        lambda tp, cp, pp, sp: transformer_config_from_args(args, tensor_model_parallel_size=tp,
+                                                            context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                                            sequence_parallel=sp),
+        lambda config, pre, post, pg: entry.model_provider(config, pre_process=pre, post_process=post,
+                                                           pg_collection=pg),
+        sequence_parallel=False, lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps,
+        clip_grad=args.clip_grad, overlap=bool(args.overlap_param_gather or args.overlap_grad_reduce),
+        bucket_numel=args.ddp_bucket_size,
+    )
     cm = CostModel(ModelSpec.from_megatron_args(args), ClusterSpec.from_preset("h100x1"), None, 0.0)
-    layout = next(l for l in cm.all_layouts() if (l.tp, l.cp, l.pp) == (1, 1, 1))
-    static = torch.cuda.memory_allocated()
-    worst = 0.0
-    print(f"{'tokens':>8s} {'recompute':>9s} {'measured MB':>12s} {'predicted MB':>13s} {'error':>7s}")
-    for tokens in (1024, 2048, 4096, 8192):
+    layout = Layout(1, 1, 1)
+    vocab = min(args.padded_vocab_size, 250)
+
+    def step(index: int, tokens: int, recompute: int):
+        docs = [torch.randint(0, vocab, (tokens // 2,)).numpy()] * 2
+        plan = IterationPlan(index, [0, 1], [ReplicaPlan([0], 1, 1, 1, [MicroBatchPlan([0, 1], recompute)])])
+        return engine.step(plan, [build_micro_batch(docs)], tokens - 2)
+
+    step(0, TOKENS[0], 0)  # Adam's moments exist from the first step on
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    own = sum(engine.persistent_bytes().values())
+    predicted_state = cm.state_bytes(layout)
+    worst = abs(held - predicted_state) / held
+    print(f"persistent: measured {held / 2**20:.1f} MiB, engine's count {own / 2**20:.1f} MiB "
+          f"({engine.persistent_bytes()}), cost model {predicted_state / 2**20:.1f} MiB, "
+          f"error {abs(held - predicted_state) / held:.1%}")
+    print(f"{'tokens':>8s} {'recompute':>9s} {'peak MiB':>10s} {'predicted MiB':>14s} {'error':>7s}")
+    for i, tokens in enumerate(TOKENS):
         for recompute in (0, args.num_layers):
-            docs = [torch.randint(0, 250, (tokens // 2,)).numpy()] * 2
-            mb = localize(build_micro_batch(docs), 1, 0, 1, False, args.hidden_size, recompute, device="cuda")
-            set_recompute(config, args.num_layers, recompute)
             torch.cuda.reset_peak_memory_stats()
-            out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
-            (out * mb.loss_mask).sum().backward()
-            measured = torch.cuda.max_memory_allocated() - static
-            predicted = cm.replica_peak_bytes(layout, [tokens], [recompute]) - cm.state_bytes(layout)
+            step(1 + i, tokens, recompute)
+            measured = torch.cuda.max_memory_allocated()
+            predicted = cm.replica_peak_bytes(layout, [tokens], [recompute])
             err = abs(measured - predicted) / measured
             worst = max(worst, err)
-            print(f"{tokens:8d} {recompute:9d} {measured / 2**20:12.1f} {predicted / 2**20:13.1f} {err:7.1%}")
-            model.zero_grad(set_to_none=True)
+            print(f"{tokens:8d} {recompute:9d} {measured / 2**20:10.1f} {predicted / 2**20:14.1f} {err:7.1%}")
     print(f"worst error {worst:.1%} (goal <= 10%)")
     return 0 if worst <= 0.10 else 1
 

@@ -275,6 +275,29 @@ class AdaptiveEngine:
         else:
             self.optimizer.set_master(shard)
 
+    def gather_tensor(self, shard: torch.Tensor, tensor, dst: int) -> torch.Tensor | None:
+        """One canonical tensor's values assembled on rank `dst` from every rank's shard
+        (collective; checkpoints: O(tensor) memory, never the whole model). None elsewhere."""
+        pieces = [list(self.sharding.overlaps(r, tensor.offset, tensor.offset + tensor.numel))
+                  for r in range(self.world)]
+        sizes = [sum(hi - lo for _, lo, hi in p) for p in pieces]
+        send = torch.zeros(max(sizes), dtype=shard.dtype, device=shard.device)
+        o = 0
+        for piece, lo, hi in pieces[self.rank]:
+            send[o : o + hi - lo] = shard[piece.offset + lo - piece.start : piece.offset + hi - piece.start]
+            o += hi - lo
+        parts = [torch.empty_like(send) for _ in range(self.world)] if self.rank == dst else None
+        dist.gather(send, parts, dst=dst)
+        if self.rank != dst:
+            return None
+        out = torch.empty(tensor.numel, dtype=shard.dtype, device=shard.device)
+        for r in range(self.world):
+            o = 0
+            for piece, lo, hi in pieces[r]:
+                out[lo - tensor.offset : hi - tensor.offset] = parts[r][o : o + hi - lo]
+                o += hi - lo
+        return out.view(tensor.shape)
+
     def gather_canonical(self) -> torch.Tensor:
         """The whole master vector on every rank (collective; checkpoints export, tests)."""
         return self.exchange.allgather(self.optimizer.master())

@@ -3,8 +3,9 @@
 Same Megatron layout and atomic protocol as `checkpointing` (tracker file,
 `iter_XXXXXXX/`, torch_dist). What is stored is layout-free: for every canonical tensor
 (the full model's parameter names) its fp32 master value and Adam moments, written once
-by the rank that owns the tensor's first element. Loading takes, on every rank, the
-tensors that overlap its shard, so a checkpoint saved on W ranks resumes on any W'.
+by the rank that owns the tensor's first element (gathered tensor by tensor, so no rank
+holds the whole model). Loading reads the tensors in groups and keeps, on every rank, the
+pieces of its shard, so a checkpoint saved on W ranks resumes on any W'.
 """
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ from megatron.training.initialize import print_rank_0
 
 FORMAT = "dcp-fixed-sharding/v1"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+LOAD_GROUP = 1 << 26  # elements of canonical tensors read per dist_checkpointing.load call
+
+
+def _groups(tensors, limit: int):
+    """Consecutive tensors in groups of at most `limit` elements (a larger tensor alone).
+    Every rank walks the same canonical order, so the groups' loads line up."""
+    group, size = [], 0
+    for t in tensors:
+        if group and size + t.numel > limit:
+            yield group
+            group, size = [], 0
+        group.append(t)
+        size += t.numel
+    if group:
+        yield group
 
 
 def _key(kind: str, name: str) -> str:
@@ -30,18 +48,17 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
 
 def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
     avg, avg_sq, step = engine.optimizer.moments()
-    full = {
-        "param": engine.exchange.allgather(engine.optimizer.master()),
-        "exp_avg": engine.exchange.allgather(avg),
-        "exp_avg_sq": engine.exchange.allgather(avg_sq),
-    }
+    shards = {"param": engine.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
     state = {}
+    # tensor by tensor onto the rank that owns its first element: no rank ever holds the
+    # whole model (a 7B model's master and moments are 84 GB)
     for t in engine.space.tensors.values():
-        if engine.sharding.owner_of(t.offset) != engine.rank:
-            continue
+        writer = engine.sharding.owner_of(t.offset)
         for kind in KINDS:
-            value = full[kind][t.offset : t.offset + t.numel].view(t.shape).clone()
-            state[_key(kind, t.name)] = _sharded(_key(kind, t.name), value, replica_id=0)
+            value = engine.gather_tensor(shards[kind], t, writer)
+            if value is not None:
+                state[_key(kind, t.name)] = _sharded(_key(kind, t.name), value.cpu(), replica_id=0)
+    del avg, avg_sq, shards
     state.update({
         "args": ckpt._common_args(args),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
@@ -73,21 +90,22 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
     sharding = engine.sharding
-    needed = [t for t in engine.space.tensors.values()
-              if any(True for _ in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel))]
     kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
-    request = {
-        _key(kind, t.name): _sharded(_key(kind, t.name), torch.empty(t.shape), replica_id=engine.rank)
-        for t in needed for kind in kinds
-    }
-    # each rank reads only the tensors its shard overlaps: no rank holds "the" main replica
-    state = ckpt.load_or_explain(request, path, validate_access_integrity=False)
     shard = {kind: torch.zeros(sharding.shard_numel(engine.rank)) for kind in kinds}
-    for t in needed:
-        for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
-            for kind in kinds:
-                values = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
-                shard[kind][piece.offset + lo - piece.start : piece.offset + hi - piece.start] = values
+    # in groups of tensors (the same groups on every rank: each load is collective), so a
+    # rank holds at most ~LOAD_GROUP elements per kind at once; no rank is "the" main replica
+    for group in _groups(list(engine.space.tensors.values()), LOAD_GROUP):
+        request = {
+            _key(kind, t.name): _sharded(_key(kind, t.name), torch.empty(t.shape), replica_id=engine.rank)
+            for t in group for kind in kinds
+        }
+        state = ckpt.load_or_explain(request, path, validate_access_integrity=False)
+        for t in group:
+            for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
+                for kind in kinds:
+                    values = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
+                    shard[kind][piece.offset + lo - piece.start : piece.offset + hi - piece.start] = values
+        del state, request
     engine.optimizer.set_master(shard["param"])
     if "exp_avg" in shard:
         engine.optimizer.set_moments(shard["exp_avg"], shard["exp_avg_sq"], int(common["adam_step"]))
