@@ -336,6 +336,10 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.loss_scale_window > 0 and args.hysteresis > 0, "--loss-scale-window and --hysteresis must be > 0")
     need(args.loss_scale is None or args.loss_scale > 0, "--loss-scale must be > 0 (omit it for dynamic loss scaling)")
     dp = args.data_parallel_size
+    if not args.dcp and args.overlap_param_gather:  # megatron-core's DDP gathers through the distributed optimizer
+        need(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
+        need(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    need(args.ddp_bucket_size is None or args.ddp_bucket_size > 0, "--ddp-bucket-size must be > 0 (elements)")
     if not args.dcp:
         need(
             args.global_batch_size % (args.micro_batch_size * dp) == 0,

@@ -158,8 +158,10 @@ def build_model_and_optimizer(args, model_provider: Callable):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [model])
