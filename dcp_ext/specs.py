@@ -261,11 +261,12 @@ class ModelSpec:
 
 def bucket_numel_for(num_params: int, requested: int = 0) -> int:
     """Elements per bucket of the runtime's fixed sharding: `requested` (--ddp-bucket-size)
-    or Megatron's 40M for large models, at least 16 buckets for small ones (so CPU runs
-    overlap too), never below 64K elements."""
+    or Megatron's 40M for large models; mid-size models get 8 buckets (the exchange buffers
+    are one bucket: a 100M model would otherwise hold 800 MB of them), models under 1M
+    elements one (each bucket is a collective: latency on CPUs)."""
     if requested:
         return int(requested)
-    return max(min(40_000_000, -(-num_params // 16)), min(num_params, 65_536), 1)
+    return max(min(40_000_000, -(-num_params // 8)), min(num_params, 1_000_000), 1)
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

@@ -12,6 +12,17 @@ largest activation peak of the rank's replicas over a few planned real batches
 (`simulate_iteration`, peak minus state) and the planning capacity, with a verdict:
 OK when engine bytes + peak activations fit the capacity, OVER otherwise.
 
+- worst rank: the largest `ModelSpec.local_stage_params(tp, pp)` over the replica types the
+  rank belongs to (ties: the rank whose own pipeline stage there is heaviest, then the lowest);
+- data: global batches by DESIGN.md's rule from the shipped length file (default
+  data/lengths/code_python_cl100k.txt, the same file as /work/shared/data/lengths/);
+- capacity: `CostModel.capacity_bytes` (device memory less --dcp-memory-margin and the GPU
+  kind's reserved bytes): the budget the planner packs to and `training_dcp.check_memory`
+  enforces; the device's own memory is printed beside it;
+- vocabulary: a Llama-2 tokenizer's 32000 ids; the planner's ModelSpec sees them padded as
+  pretrain() pads them (x --tensor-model-parallel-size), the engine as train_adaptive pads
+  them (x lcm of the pool's tp sizes), as in a real `--dcp` run.
+
     .venv/bin/python scripts/scale_check.py                       # llama2-7b, -13b, -70b on h200x64
     .venv/bin/python scripts/scale_check.py --model llama2-70b --rank 5
     .venv/bin/python scripts/scale_check.py --small               # 2 layers, hidden 256, 8 ranks (tests)
@@ -165,18 +176,12 @@ def build_engine(args, planner):
     import torch
 
     import pretrain_gpt_dcp as entry
-    from dcp_ext.data.tokenizers import padded_vocab_size
     from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType
     from megatron.training import global_vars
     from megatron.training.training import transformer_config_from_args
 
     types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
-    # training_dcp.vocab_padding_for: one padded vocabulary for every layout of the pool
-    lcm_tp = 1
-    for t in types:
-        lcm_tp = math.lcm(lcm_tp, t.tp)
-    args.padded_vocab_size = padded_vocab_size(args.tokenizer_vocab, args.make_vocab_size_divisible_by, lcm_tp)
-    global_vars.set_args(args)
+    global_vars.set_args(args)  # args.padded_vocab_size: set before planning, as training does
 
     def make_config(tp, cp, pp, sp):
         return transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -223,7 +228,7 @@ def activation_peaks(planner, rank: int, lengths, iterations: int) -> dict:
     cm = planner.cm
     truncated = np.minimum(lengths, planner.max_seq_len)
     batches = global_batches(truncated.tolist(), planner.global_batch_tokens, planner.max_seq_len, count=iterations)
-    best = {"activation_bytes": 0.0, "peak_bytes": 0.0, "iteration": None, "layout": None, "planned": []}
+    best = {"activation_bytes": 0.0, "iteration": None, "layout": None, "planned": []}
     for i, ids in enumerate(batches):
         t0 = time.perf_counter()
         it = planner.plan_iteration(i, ids, truncated[ids].tolist())
@@ -236,7 +241,7 @@ def activation_peaks(planner, rank: int, lengths, iterations: int) -> dict:
                                         "micro_batches": len(rep.micro_batches),
                                         "recomputed": sum(1 for mb in rep.micro_batches if mb.recompute_layers)})
                 if act >= best["activation_bytes"]:
-                    best.update(activation_bytes=act, peak_bytes=rr.peak_bytes, iteration=i, layout=str(lay))
+                    best.update(activation_bytes=act, iteration=i, layout=str(lay))
         log(f"  iteration {i}: {len(ids)} documents, {sum(truncated[ids].tolist())} tokens, "
             f"{len(it.replicas)} replicas, planned in {time.perf_counter() - t0:.1f} s")
     return best
@@ -247,9 +252,9 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
                 global_batch_tokens: int, sample_count: int, lengths_path: str, seed: int = 1234,
                 fixed_pool: str | None = None) -> dict:
     import numpy as np
+    import torch.distributed as dist
 
     from dcp_ext.cost_model import Layout
-    from dcp_ext.data.tokenizers import padded_vocab_size
     from megatron.training.arguments import parse_args
 
     t_start = time.perf_counter()
@@ -258,11 +263,12 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     world = ClusterSpec.from_preset(cluster).num_gpus
     args = parse_args(megatron_argv(name, max_seq_len, global_batch_tokens, seed), world_size=world)
     args.model_name = name
-    # a Llama-2 tokenizer: 32000 ids (NullTokenizer's EOD would add one). As pretrain() does
-    # before the planner: padded to --make-vocab-size-divisible-by x --tensor-model-parallel-size.
+    # a Llama-2 tokenizer: 32000 ids (NullTokenizer's EOD would add one), padded as training
+    # pads it before planning: for every tp the planner may choose on this cluster
+    from megatron.training.training_dcp import vocab_padding_for
+
     args.tokenizer_vocab = SHAPES[name][5]
-    args.padded_vocab_size = padded_vocab_size(args.tokenizer_vocab, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
+    args.padded_vocab_size = vocab_padding_for(args, args.tokenizer_vocab, ClusterSpec.from_preset(cluster))
     lengths = load_lengths(lengths_path)
     pool = f"fixed pool {fixed_pool}" if fixed_pool else f"sample_count {sample_count}"
     log(f"{name}: planning the pool (adaptive planner, {cluster}, {os.path.basename(lengths_path)}, "
@@ -292,7 +298,8 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     engine = build_engine(args, planner)
     engine_build_s = time.perf_counter() - t0
     held = engine.persistent_bytes()
-    stage_numel = {f"{s.rep.label()}@{s.rep.ranks[0]}": s.numel for s in engine.stages.values()}
+    stage_numel = {f"{s.rep.label()}[s{s.rep.coords(chosen)[2]}]@{s.rep.ranks[0]}-{s.rep.ranks[-1]}": s.numel
+                   for s in engine.stages.values()}
     log(f"{name}: engine built in {engine_build_s:.1f} s: {engine.space.numel:,} parameters, "
         f"{engine.registry.num_groups} process groups, {engine.sharding.num_buckets} buckets, "
         f"stages {stage_numel}")
@@ -310,8 +317,6 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     capacity = cm.capacity_bytes
     need = engine_total + act["activation_bytes"]
     verdict = "OK" if need <= capacity * (1 + 1e-9) else "OVER"
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return {
         "model": name, "cluster": cluster, "world": world, "rank": chosen, "lengths": lengths_path,

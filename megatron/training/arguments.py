@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap the parameter gather (--dcp: the pull from the fixed sharding) with forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (--dcp: per bucket of the fixed sharding; "
-                        "default 40M, at least 8 buckets)")
+                        "default 40M; 8 buckets for mid-size models, one under 1M elements)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)

@@ -50,15 +50,19 @@ def layout_summary(it) -> str:
     return f"layout: {layout} | mb {mbs} | recompute {recomputed}/{len(all_mbs)}"
 
 
-def vocab_padding_for(replica_types, args) -> int:
-    """One padded vocabulary for every layout: a multiple of divisible_by x lcm(tp sizes)."""
+def vocab_padding_for(args, vocab_size: int, cluster) -> int:
+    """One padded vocabulary for every layout the planner may choose on `cluster`: a
+    multiple of divisible_by x lcm(every candidate tp). Fixed before planning, so the
+    planner's cost model and the runtime see the same model."""
+    from dcp_ext.cost_model import CostModel
     from dcp_ext.data.tokenizers import padded_vocab_size
-    from megatron.training.global_vars import get_tokenizer
+    from dcp_ext.specs import ModelSpec
 
+    spec = ModelSpec.from_megatron_args(args).with_(vocab_size=vocab_size)
     lcm_tp = 1
-    for tp, _, _, _ in replica_types:
-        lcm_tp = math.lcm(lcm_tp, tp)
-    return padded_vocab_size(get_tokenizer().vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
+    for layout in CostModel(spec, cluster).all_layouts():
+        lcm_tp = math.lcm(lcm_tp, layout.tp)
+    return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
 
 
 def grad_scaler_for(args):
@@ -137,10 +141,12 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
 
     set_random_seed_without_parallel_state(args.seed)
     train_ds, valid_ds, _ = document_datasets_provider(args)
+    from megatron.training.global_vars import get_tokenizer
+
+    args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster_for(args.world_size))
     planner = build_planner(args, train_ds)
     eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
     types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
-    args.padded_vocab_size = vocab_padding_for(planner.replica_types(), args)
     engine = AdaptiveEngine(
         types,
         lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
