@@ -64,7 +64,8 @@ def main() -> int:
             print(format_table(res))
             pl = res["planners"]
             ad = pl["adaptive"]["mean_s"]
-            ratios = ", ".join(f"{n} {pl[n]['mean_s'] / ad:.3f}x" for n in pl if n != "adaptive")
+            ratios = ", ".join(f"{n} {pl[n]['mean_s'] / ad:.3f}x" if not pl[n].get("failed") else f"{n} cannot plan"
+                               for n in pl if n != "adaptive")
             print(f"adaptive speedup over: {ratios}; min sim/bound over iterations "
                   f"{min(p['min_ratio_to_bound'] for p in pl.values()):.4f}\n", flush=True)
     if a.json:

@@ -145,6 +145,7 @@ class CostModel:
         self.memory_margin = memory_margin
         self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
         self.buffer_params = 0.0  # see charge_shared_buffers
+        self.buffer_by_layout: dict = {}
 
     # ------------------------------------------------------------------ layouts
     def layout_valid(self, layout: Layout) -> bool:
@@ -304,7 +305,8 @@ class CostModel:
         layout's, or the pool's when `charge_shared_buffers` was called), its shard of the
         optimizer state (fp32 master, fp32 gradient, Adam moments) and the exchange buffers."""
         m = self.model
-        buffer = max(m.local_stage_params(layout.tp, layout.pp), self.buffer_params)
+        shared = self.buffer_by_layout.get(Layout(*layout), self.buffer_params)
+        buffer = max(m.local_stage_params(layout.tp, layout.pp), shared)
         opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
         return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes
 
@@ -315,9 +317,22 @@ class CostModel:
         per = n * math.ceil(bucket_numel_for(m.num_params, m.bucket_numel) / n)
         return 2 * m.exchange_slots * per * max(m.param_bytes, m.grad_reduce_bytes)
 
-    def charge_shared_buffers(self, layouts: Iterable[Layout]) -> None:
-        """Every layout of a pool shares the rank's buffers: charge each the largest stage."""
-        self.buffer_params = max((self.model.local_stage_params(l.tp, l.pp) for l in layouts), default=0.0)
+    def charge_shared_buffers(self, layouts: Iterable[Layout], placements=None) -> None:
+        """The layouts of a pool share each rank's buffers. Without `placements`, charge every
+        layout the pool's largest stage; with them ((layout, ranks) of every replica the pool
+        can run), charge each layout the largest stage any of its ranks plays."""
+        stage = lambda l: self.model.local_stage_params(l.tp, l.pp)  # noqa: E731
+        layouts = list(layouts)
+        self.buffer_params = max((stage(l) for l in layouts), default=0.0)
+        self.buffer_by_layout = {}
+        if placements is not None:
+            per_rank: dict[int, float] = {}
+            for lay, ranks in placements:
+                for r in ranks:
+                    per_rank[r] = max(per_rank.get(r, 0.0), stage(lay))
+            for lay, ranks in placements:
+                worst = max(per_rank[r] for r in ranks)
+                self.buffer_by_layout[Layout(*lay)] = max(self.buffer_by_layout.get(Layout(*lay), 0.0), worst)
 
     @lru_cache(maxsize=None)
     def _act_terms(self, layout: Layout) -> dict:

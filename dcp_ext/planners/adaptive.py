@@ -146,20 +146,36 @@ class AdaptivePlanner(PlannerBase):
 
     def _charge_pool_buffers(self, recompute: str) -> None:
         """A rank's stages share one buffer sized to the pool's largest stage: from now on
-        every layout is charged that, and its tables are rebuilt; a pool entry whose
-        layout then holds nothing is dropped."""
-        used = sorted({l for c in self.pool.layouts for l, _ in c})
-        self.cm.charge_shared_buffers(used)
-        self.tables = {l: make_type_table(self.cm, l, recompute) for l in used}
-        self.tables = {l: t for l, t in self.tables.items() if t.caps_alone and t.max_doc > 0}
-        keep = [i for i, c in enumerate(self.pool.layouts) if all(l in self.tables for l, _ in c)]
-        if not keep:
+        every layout is charged that, and its tables are rebuilt. Charging a long-sequence
+        layout (large tp·cp) for a short-sequence one's big stage can cost it the longest
+        documents: then the entries using the largest stage leave the pool, until the pool
+        holds again what it held alone (or one entry is left)."""
+        before = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
+        need = min(self.max_seq_len, max(t.max_doc for t in before.values()))
+        keep = list(range(len(self.pool.layouts)))
+        while True:
+            used = sorted({l for i in keep for l, _ in self.pool.layouts[i]})
+            self.cm.charge_shared_buffers(used, [pl for i in keep
+                                                 for pl in place(expand(self.pool.layouts[i]), self.cluster.num_gpus)])
+            tables = {l: make_type_table(self.cm, l, recompute) for l in used}
+            tables = {l: t for l, t in tables.items() if t.caps_alone and t.max_doc > 0}
+            fits = [i for i in keep if all(l in tables for l, _ in self.pool.layouts[i])]
+            holdable = max((tables[l].max_doc for i in fits for l, _ in self.pool.layouts[i]), default=0)
+            if fits and (holdable >= need or len(keep) == 1):
+                break
+            biggest = max(used, key=lambda l: self.model.local_stage_params(l.tp, l.pp))
+            rest = [i for i in keep if all(l != biggest for l, _ in self.pool.layouts[i])]
+            if not rest:
+                break
+            keep = rest
+        if not fits:
             raise PlanningError(f"no layout of {self.model.name} fits {self.cluster.name} beside the shared "
                                 f"parameter buffers of its pool ({self.cm.buffer_params / 1e9:.2f}B parameters)")
-        if len(keep) < len(self.pool.layouts):
+        self.tables = tables
+        if len(fits) < len(self.pool.layouts):
             p = self.pool
-            times = p.sample_times[keep] if len(p.sample_times) == len(p.layouts) else p.sample_times
-            self.pool = Pool([p.layouts[i] for i in keep], p.types, times, p.dp_layouts)
+            times = p.sample_times[fits] if len(p.sample_times) == len(p.layouts) else p.sample_times
+            self.pool = Pool([p.layouts[i] for i in fits], p.types, times, p.dp_layouts)
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
