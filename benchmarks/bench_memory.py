@@ -32,13 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import describe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,19 +165,7 @@ def held_bytes(line: str) -> dict[str, float]:
 
 
 def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024 / 2**30
-    except OSError:
-        mem = 0.0
-    return f"{os.cpu_count()} CPU cores ({model}), {mem:.0f} GiB RAM, torch CPU, gloo"
+    return describe()
 
 
 def main(argv=None) -> int:

@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import describe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERLAP = ["--overlap-param-gather", "--overlap-grad-reduce"]
@@ -57,14 +59,7 @@ def run(name: str, extra: list[str], args, workdir: str) -> tuple[list[dict], fl
 
 
 def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPU cores ({model}), torch CPU, gloo"
+    return describe()
 
 
 def main(argv=None) -> int:
