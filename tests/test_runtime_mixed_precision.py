@@ -126,3 +126,69 @@ def test_fp16_runtime_skips_overflow_steps_and_backs_off_the_loss_scale():
         assert good["loss"] == pytest.approx(r["ref_loss"], rel=4e-3)
         assert good["norm"] == pytest.approx(r["ref_norm"], rel=2e-2)  # unscaled before the norm
         assert r["update"] < 0.1, r
+
+
+def _static_vs_runtime_worker(rank, world):
+    """The same packed batch, the same initial weights: one --bf16 step on the static path
+    (pretrain()'s model and optimizer: Float16Module, megatron-core's DDP and mixed-precision
+    optimizer) and one on the --dcp runtime (one TP1 replica)."""
+    import torch
+
+    import pretrain_gpt_dcp
+    from dcp_ext.data.thd import build_micro_batch
+    from megatron.training import global_vars, training
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import unwrap
+    from megatron.training.initialize import initialize_model_parallel
+    from tests.runtime_helpers import RUNTIME_MODEL, VOCAB, engine_step, make_engine, plan_for, random_docs
+
+    docs = random_docs(8, seed=21)
+    engine = make_engine(_args(world, "bf16"), _types([([0], 1, 1, 1, 1)]))
+    init = engine.gather_canonical()
+    got = engine_step(engine, plan_for(0, [([0], 1, 1, 1, 1)], len(docs)), docs)
+    after_runtime = engine.gather_canonical()
+
+    flags = [f for f in RUNTIME_MODEL if f not in ("--dcp",)]
+    flags = flags[: flags.index("--dcp-global-batch-tokens")] + flags[flags.index("--dcp-global-batch-tokens") + 2:]
+    args = parse_args(flags + ["--bf16", "--micro-batch-size", "1", "--global-batch-size", "1",
+                               "--lr-decay-style", "constant"], world_size=world)
+    args.padded_vocab_size = VOCAB
+    global_vars.set_args(args)
+    from megatron.core import parallel_state
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = None  # the engine made one; the static path makes its own
+    initialize_model_parallel(args)
+    model, optimizer, config = training.build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
+    scheduler = training.build_lr_scheduler(args, optimizer)
+    gpt = unwrap(model)
+    space = engine.space
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            t = space.tensors[name]
+            p.copy_(init[t.offset : t.offset + t.numel].view(p.shape))
+    optimizer.reload_model_params()  # the fp32 masters from the weights just set
+    b = build_micro_batch(docs)
+    batch = {"tokens": b.tokens[None], "labels": b.labels[None], "loss_mask": b.loss_mask[None],
+             "position_ids": b.position_ids[None], "packed_seq_params": b.packed_seq_params()}
+    losses, ok, norm = training.train_step(args, model, optimizer, scheduler, config, pretrain_gpt_dcp.forward_step,
+                                           iter([batch]), 1, int(b.tokens.numel()))
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    masters = {}
+    for o in opts:
+        for model_group, master_group in zip(o.float16_groups, o.fp32_from_float16_groups):
+            for p, m in zip(model_group, master_group):
+                masters[id(p)] = m
+    after_static = torch.empty_like(init)
+    for name, p in gpt.named_parameters():
+        t = space.tensors[name]
+        after_static[t.offset : t.offset + t.numel] = masters[id(p)].detach().flatten()
+    return {"loss": abs(got.loss - losses["lm loss"]) / losses["lm loss"], "ok": ok,
+            "norm": abs(got.grad_norm - norm) / norm, "update": _update_error(after_runtime, after_static, init)}
+
+
+def test_bf16_runtime_step_matches_the_bf16_static_path():
+    (r,) = spawn(_static_vs_runtime_worker, 1)
+    assert r["ok"]
+    assert r["loss"] < 4e-3, r  # the same bf16 forward, one rounding apart
+    assert r["norm"] < 2e-2, r
+    assert r["update"] < 0.1, r
