@@ -1,9 +1,9 @@
 """tools/convert_dcp_checkpoint.py: a --dcp checkpoint exported as a plain Megatron TP/PP
 checkpoint is the same model, and the static path loads it (issue 6, the export).
 
-One short adaptive run (2 ranks) saves a checkpoint whose vocabulary padding (288 rows:
-256 ids, divisible-by 96, candidate TPs {1}) differs from what the static path pads to at
-TP2 (384), so the export must carry the padding. It is exported at TP2 and at PP2 (tied
+One short adaptive run (2 ranks) saves a checkpoint whose vocabulary padding (384 rows:
+256 ids, divisible-by 96, every TP the planner may choose on 2 ranks: {1, 2}) differs from
+what the static path pads to at TP1 (288), so the export must carry the padding. It is exported at TP2 and at PP2 (tied
 embeddings: the last stage holds the output copy). Then:
 - a reference process builds the full TP1/PP1 model, fills it from the checkpoint's
   canonical tensors directly (no converter code), and computes the static path's first
@@ -28,7 +28,7 @@ from tests.test_bad_input import assert_one_line_error
 pytestmark = pytest.mark.dist
 
 TOOL = os.path.join(REPO, "tools", "convert_dcp_checkpoint.py")
-PAD = ["--make-vocab-size-divisible-by", "96"]  # 256 ids -> 288 rows at TP1, 384 at TP2
+PAD = ["--make-vocab-size-divisible-by", "96"]  # 256 ids -> 288 rows at TP1, 384 at TP2 (and under --dcp)
 STATIC = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
           "--reset-attention-mask", "--reset-position-ids"]
 
@@ -132,7 +132,8 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
 @pytest.fixture(scope="module")
 def reference(exported):
     root, data, dcp, exports = exported
-    flags = TINY_MODEL + PAD + data + STATIC
+    # the reference is a TP1 model: with the export's flag it pads as the checkpoint does
+    flags = TINY_MODEL + exports["pp2"][3] + data + STATIC
     return spawn(_reference, 1, flags, dcp, [e[0] for e in exports.values()])[0]
 
 
@@ -145,16 +146,16 @@ def test_export_layout_is_megatrons(exported):
 
 
 def test_export_reloads_bit_identical_to_canonical(reference, exported):
-    assert reference["rows"] == reference["padded"] == 288
+    assert reference["rows"] == reference["padded"] == 384
     for export, bad in reference["mismatched"].items():
         assert bad == [], f"{export}: weights differ from the checkpoint's canonical tensors: {bad}"
 
 
 def test_export_keeps_the_vocabulary_padding(exported):
     _, _, _, exports = exported
-    # at TP2 the static path pads 256 ids to 384 with divisible-by 96: the export says 144
-    assert exports["tp2"][3] == ["--make-vocab-size-divisible-by", "144"]
-    assert exports["pp2"][3] == []  # TP1 pads to 288 already
+    # at TP1 the static path pads 256 ids to 288 with divisible-by 96: the export says 384
+    assert exports["pp2"][3] == ["--make-vocab-size-divisible-by", "384"]
+    assert exports["tp2"][3] == []  # TP2 pads to 384 already
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
