@@ -305,10 +305,14 @@ class CostModel:
         layout's, or the pool's when `charge_shared_buffers` was called), its shard of the
         optimizer state (fp32 master, fp32 gradient, Adam moments) and the exchange buffers."""
         m = self.model
-        shared = self.buffer_by_layout.get(Layout(*layout), self.buffer_params)
-        buffer = max(m.local_stage_params(layout.tp, layout.pp), shared)
+        buffer = self.buffer_params_for(layout)
         opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
         return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes
+
+    def buffer_params_for(self, layout: Layout) -> float:
+        """Parameters in the shared buffers of a device that runs `layout`."""
+        shared = self.buffer_by_layout.get(Layout(*layout), self.buffer_params)
+        return max(self.model.local_stage_params(layout.tp, layout.pp), shared)
 
     @property
     def exchange_bytes(self) -> float:

@@ -207,7 +207,7 @@ def build_engine(args, planner):
 def cost_model_bytes(cm, layout) -> dict[str, float]:
     """CostModel.state_bytes(layout), split into the engine's kinds (the same terms)."""
     m = cm.model
-    buffer = max(m.local_stage_params(layout.tp, layout.pp), cm.buffer_params)
+    buffer = cm.buffer_params_for(layout)
     opt = m.num_params * m.optimizer_bytes_per_param / cm.cluster.num_gpus
     out = {"parameters": buffer * m.param_bytes, "main_grads": buffer * m.grad_bytes,
            "master": opt * 4 / 16, "grad_shard": opt * 4 / 16, "adam": opt * 8 / 16, "exchange": cm.exchange_bytes}
