@@ -22,6 +22,7 @@ from dcp_ext.cost_model import CostModel
 from dcp_ext.data.progress import Progress
 from dcp_ext.plan import validate_iteration
 from dcp_ext.planner import PLANNERS, make_planner
+from dcp_ext.planners.common import PlanningError
 from dcp_ext.simulator import lower_bound, simulate_iteration
 
 
@@ -48,13 +49,17 @@ def run(args) -> dict:
         build_s = time.perf_counter() - t0
         if name == names[0] and planner.cm.profile is not None:
             cm = planner.cm
-        times, plan_s, plan_cpu, peaks, layouts, valid = [], [], [], [], [], True
+        times, plan_s, plan_cpu, peaks, layouts, valid, failed = [], [], [], [], [], True, None
         its = []
         with Progress(f"simulate {name}", total=len(bs), unit="it", enabled=not args.quiet) as bar:
             for i, ids in enumerate(bs):
                 lens = truncated[ids]
                 t1, c1 = time.perf_counter(), time.thread_time()
-                it = planner.plan_iteration(i, ids, lens.tolist())
+                try:
+                    it = planner.plan_iteration(i, ids, lens.tolist())
+                except PlanningError as e:  # a planner that cannot run this data: a result, reported
+                    failed = f"iteration {i}: {e}"
+                    break
                 plan_s.append(time.perf_counter() - t1)
                 plan_cpu.append(time.thread_time() - c1)
                 try:
@@ -69,6 +74,11 @@ def run(args) -> dict:
                 layouts.append("+".join(sorted({f"tp{r.tp}cp{r.cp}pp{r.pp}" for r in it.replicas})))
                 its.append(it)
                 bar.update(1)
+        if failed:
+            print(f"{name}: cannot plan: {failed}", file=sys.stderr)
+            results["planners"][name] = {"describe": planner.describe(), "build_s": build_s, "failed": failed,
+                                         "times_s": [], "mean_s": float("nan"), "valid": False}
+            continue
         plans[name] = its
         results["planners"][name] = {
             "describe": planner.describe(), "build_s": build_s, "times_s": times, "mean_s": float(np.mean(times)),
@@ -87,13 +97,16 @@ def run(args) -> dict:
     results["lower_bound_mean_s"] = float(np.mean(lbs))
     static = results["planners"].get("static", {}).get("mean_s")
     for name, r in results["planners"].items():
+        if r.get("failed"):
+            r.update(speedup_vs_static=None, gap_to_bound=float("nan"), min_ratio_to_bound=float("nan"))
+            continue
         r["speedup_vs_static"] = static / r["mean_s"] if static else None
         r["gap_to_bound"] = float(np.mean(np.asarray(r["times_s"]) / np.asarray(lbs)) - 1)
         r["min_ratio_to_bound"] = float(np.min(np.asarray(r["times_s"]) / np.asarray(lbs)))
     if args.timeline:
         from dcp_ext.timeline import render_timeline
 
-        tl = args.timeline_planner if args.timeline_planner in plans else names[0]
+        tl = args.timeline_planner if args.timeline_planner in plans else next(iter(plans))
         k = min(args.timeline_iteration, len(bs) - 1)
         ids = bs[k]
         render_timeline(cm, plans[tl][k], dict(zip(ids, truncated[ids].tolist())), args.timeline,
@@ -110,6 +123,9 @@ def format_table(results: dict) -> str:
     cols = ["planner", "mean s/iter", "vs static", "gap to bound", "plan ms/iter", "plan cpu ms", "peak mem/cap", "valid", "layouts"]
     rows = []
     for name, r in results["planners"].items():
+        if r.get("failed"):
+            rows.append([name, "cannot plan", "-", "-", "-", "-", "-", "NO", r["failed"]])
+            continue
         sp = f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-"
         rows.append([name, f"{r['mean_s']:.3f}", sp, f"{100 * r['gap_to_bound']:.1f}%", f"{r['plan_ms_median']:.1f}",
                      f"{r['plan_cpu_ms_median']:.1f}", f"{r['peak_memory_fraction']:.2f}", "yes" if r["valid"] else "NO",
