@@ -76,6 +76,7 @@ def document_datasets_provider(args):
     return build_document_datasets(
         data_prefixes(args), args.split, args.seed, args.dcp_max_seq_len,
         split_long_documents=args.dcp_split_long_documents, vocab_size=get_tokenizer().vocab_size,
+        tokenizer=get_tokenizer(),
     )
 
 

@@ -38,7 +38,40 @@ def install() -> None:
     if _installed:
         return
     _patch_fully_reshardable_optimizer_load()
+    keep_checkpoint_writes_in_process()
+    quiet_checkpoint_writer_errors()
     _installed = True
+
+
+def quiet_checkpoint_writer_errors() -> None:
+    """megatron-core 0.16's checkpoint writer logs a failed write (`logger.error`, which Python's
+    last-resort handler prints on stderr) and then raises the same error, which the run reports
+    as its one line: without a handler of its own the log record is a second, raw copy. A
+    NullHandler on that one logger drops the copy; a user's logging config (root handlers)
+    still receives it."""
+    import logging
+
+    log = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())
+
+
+def keep_checkpoint_writes_in_process() -> None:
+    """megatron-core 0.16 `FileSystemWriterAsync` (the torch_dist save strategy, used by
+    synchronous saves too) collects its write results through a queue of a
+    `multiprocessing.Manager` it starts on first use with the *spawn* method: a fresh Python
+    per rank (seconds to start, ~300 MB) that lives until the rank exits normally. A rank
+    that dies (SIGKILL, a crash mid-save, os._exit) leaves it running forever, reparented.
+    A synchronous save puts and gets the results in the calling process itself, so an
+    in-process queue does the same with no process at all. (An asynchronous save, which
+    this fork never makes, would need the Manager's queue: it would fail loudly to pickle
+    this one rather than misbehave.) Idempotent; called before every save."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _patch_fully_reshardable_optimizer_load() -> None:

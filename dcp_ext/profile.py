@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -376,3 +377,26 @@ def load_profile(path_or_profile) -> Profile | None:
     if path_or_profile is None or isinstance(path_or_profile, Profile):
         return path_or_profile
     return Profile.load(path_or_profile)
+
+
+def profile_problem(path: str) -> str | None:
+    """Why a dcp-profile file cannot be used (None if it can): missing, unreadable, not JSON, wrong schema."""
+    if os.path.isdir(path):
+        return "is a directory, not a profile file"
+    if not os.path.isfile(path):
+        return "no such file (write one with dcp-profile --out FILE)"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read it ({getattr(e, 'strerror', None) or e})"
+    except ValueError as e:
+        return f"not valid JSON ({e}); rewrite it with dcp-profile --out FILE"
+    if not isinstance(data, dict):
+        return "expected a JSON object written by dcp-profile"
+    try:
+        Profile.from_json(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"not a dcp-profile file ({first[:200]}); rewrite it with dcp-profile --out FILE"
+    return None

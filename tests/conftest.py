@@ -1,10 +1,90 @@
-"""Shared fixtures: a small real-text corpus and the tiny model's Megatron flags."""
+"""Shared fixtures: a small real-text corpus and the tiny model's Megatron flags; and a
+session-end check that the tests left no process running."""
 import glob
 import json
 import os
+import signal
+import time
+import uuid
 
 import numpy as np
 import pytest
+
+# Every process the tests start inherits this variable (torchrun workers, forked servers,
+# dist-checkpointing helpers, even ones orphaned when their parent was killed), so the
+# session-end check finds them all, descendants or not.
+SESSION_MARK = "DCP_TEST_SESSION"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _own_helpers() -> set:
+    """multiprocessing's resource tracker (and forkserver) of this very process: started by
+    `spawn`, they read a pipe this process holds and exit with it, so they are not left over."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    pids = {getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+            getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)}
+    return {pid for pid in pids if pid}
+
+
+def leftover_processes(mark: str) -> list:
+    """Live processes other than this one that carry `mark` or descend from this one."""
+    import psutil
+
+    me = psutil.Process()
+    own = _own_helpers()
+    found = {p.pid: p for p in me.children(recursive=True) if p.pid not in own}
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == me.pid or p.pid in own:
+            continue
+        try:
+            if p.environ().get(SESSION_MARK) == mark:
+                found[p.pid] = p
+        except (psutil.Error, OSError):
+            continue
+    alive = []
+    for p in found.values():
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
+    import psutil
+
+    mark = os.environ[SESSION_MARK]
+    deadline = time.time() + 3  # just-killed processes may take a moment to go
+    alive = leftover_processes(mark)
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = leftover_processes(mark)
+    if not alive:
+        return
+    lines = []
+    for p in alive:
+        try:
+            test = p.environ().get("PYTEST_CURRENT_TEST", "?")
+            lines.append(f"  pid {p.pid} ({p.memory_info().rss >> 20} MiB, started by {test}): "
+                         f"{' '.join(p.cmdline())[:200]}")
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            continue
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{len(alive)} process(es) started by the tests were still running at the end (now killed):"
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line("error: " + message, red=True)
+        for line in lines:
+            reporter.write_line(line)
+    else:
+        print("error: " + message + "\n" + "\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 # A tiny Llama-style GPT: RoPE, GQA (4 heads, 2 groups), SwiGLU, RMSNorm; fp32.
 # Vocabulary: 255 byte values + EOD = 256 ids, which pads to 256 under TP1 and TP2 alike

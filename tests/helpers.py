@@ -74,13 +74,34 @@ def launch(flags: list[str], nproc: int = 1, env: dict | None = None, timeout: i
         try:
             code = proc.wait(timeout=timeout)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(proc)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launched job: the descendants of a launcher still running, then its process
+    group. torchrun starts each worker in a session of its own, so the group alone would
+    leave the workers of a job that timed out running (tests/conftest.py fails the session
+    on any leftover)."""
+    import psutil
+
+    descendants = []
+    if proc.poll() is None:  # still running: its pid is still its own
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def read_loss_log(path: str) -> list[dict]:

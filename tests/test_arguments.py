@@ -82,3 +82,61 @@ def test_yaml_unknown_key_and_bad_file(tmp_path):
     cfg.write_text("a: [unclosed\n")
     with pytest.raises(ArgumentError, match="not valid YAML"):
         parse_args(["--yaml-cfg", str(cfg)] + BASE, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--lr", "-1e-3"], "--lr -0.001 must be >= 0"),  # argparse alone read "-1e-3" as a flag
+        (["--lr", "-.5"], "--lr -0.5 must be >= 0"),
+        (["--lr", "inf"], "--lr inf is not a finite number"),
+        (["--min-lr", "0.5"], "--min-lr 0.5 is above --lr 0.001"),
+        (["--adam-beta1", "1"], "--adam-beta1 1 must be in [0, 1)"),
+        (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),
+        (["--num-attention-heads", "0"], "--num-attention-heads 0 must be >= 1"),
+        (["--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+        (["--recompute-granularity", "full", "--recompute-method", "block"], "needs --recompute-num-layers"),
+        (["--dcp", "--dcp-global-batch-tokens", "512", "--position-embedding-type", "learned_absolute",
+          "--dcp-max-seq-len", "256"], "--dcp-max-seq-len 256 exceeds --max-position-embeddings 128"),
+        (["--data-path", "nan", "a", "1", "b"], "--data-path weights must be finite numbers > 0"),
+        (["--split", "90,-10"], "bad --split"),
+        (["--load", __file__], "is a file, not a checkpoint directory"),
+    ],
+)
+def test_ranges_and_relations_are_one_line(extra, needle):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(BASE + extra, world_size=1)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_negative_numbers_are_values_but_flags_stay_flags():
+    assert parse_args(BASE + ["--lr", "1e-3", "--init-method-std", "2e-2"], world_size=1).lr == 1e-3
+    with pytest.raises(ArgumentError, match="expected one argument"):
+        parse_args(BASE + ["--lr", "--min-lr", "0"], world_size=1)
+
+
+def test_yaml_types_and_duplicate_keys(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    for text, needle in (("num-layers: yes\n", "key 'num-layers': expected an integer, got true"),
+                         ("lr: off\n", "key 'lr': expected a number, got false"),
+                         ("num-layers: 2\nnum-layers: 3\n", "key 'num-layers' appears twice (lines 1 and 2)"),
+                         ("num-layers: 2\nnum_layers: 3\n", "key 'num_layers' repeats 'num-layers'"),
+                         ("tokenizer-type: yes\n", "expected a string, got true")):
+        cfg.write_text(text)
+        with pytest.raises(ArgumentError) as e:
+            parse_args(["--yaml-cfg", str(cfg)] + BASE, world_size=1)
+        assert needle in str(e.value), (text, str(e.value))
+    cfg.write_text("use-distributed-optimizer: true\nlr: 2.0e-4\n")
+    args = parse_args(["--yaml-cfg", str(cfg)] + [a for a in BASE if a not in ("--lr", "1e-3")], world_size=1)
+    assert args.use_distributed_optimizer is True and args.lr == 2e-4
+
+
+def test_launcher_environment_is_checked():
+    from megatron.training.arguments import world_size_from_env
+
+    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "8", "RANK": "7"}) == 8
+    for env, needle in (({"WORLD_SIZE": "x"}, "WORLD_SIZE='x' is not an integer"),
+                        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not in [0, WORLD_SIZE=2)"),
+                        ({"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port")):
+        with pytest.raises(ArgumentError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            world_size_from_env(env)

@@ -48,3 +48,21 @@ def test_dcp_simulate_table_json_and_timeline(tmp_path, capsys):
     for r in res["planners"].values():
         assert r["valid"] and r["gap_to_bound"] >= -1e-9
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_to_the_tools_is_one_line(tmp_path, capsys):
+    path, _ = _lengths_file(tmp_path)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("10\n20\nthirty\n")
+    base = ["--lengths", str(path), "--model", "demo", "--cluster", "cpu-gloox4", "--global-batch-tokens", "8192",
+            "--max-seq-len", "2048", "--iterations", "2", "--quiet"]
+    for tool, extra, code, needle in (
+        (plan_cli, ["--out", str(tmp_path / "p.json"), "--iterations", "0"], 2, "--iterations 0 must be >= 1"),
+        (plan_cli, ["--out", str(tmp_path / "p.json"), "--lengths", str(bad)], 1, "bad.txt:3: 'thirty' is not an integer"),
+        (plan_cli, ["--out", str(tmp_path / "p.json"), "--model", "nope"], 2, "--model: model preset 'nope'"),
+        (sim_cli, ["--max-seq-len", "9000"], 2, "--max-seq-len 9000 exceeds --global-batch-tokens 8192"),
+        (sim_cli, ["--cluster", "x"], 2, "--cluster: cluster preset 'x'"),
+    ):
+        assert tool.main(base + extra) == code
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err

@@ -95,7 +95,8 @@ def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
             hint = (" (this looks like an iter_XXXXXXX directory: pass its parent)"
                     if os.path.isfile(os.path.join(load, "metadata.json")) else "")
             raise ConversionError(f"--load {load}: no {ckpt.TRACKER} found{hint}; or name one with --iteration N")
-    path = ckpt.checkpoint_dir(load, iteration)
+    # iter_N, or iter_N.old where a re-save was interrupted (checkpointing.find_checkpoint)
+    path = ckpt.find_checkpoint(load, iteration) or ckpt.checkpoint_dir(load, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")) or not os.path.isfile(os.path.join(path, "common.pt")):
         raise ConversionError(f"--load {load}: iteration {iteration}: {path} is missing or incomplete")
     return path, iteration

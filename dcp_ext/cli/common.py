@@ -9,11 +9,67 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from typing import Callable
 
 import numpy as np
 
 from dcp_ext.batching import global_batches
 from dcp_ext.specs import ClusterSpec, ModelSpec
+
+
+class CLIError(Exception):
+    """Bad input to a tool: one `error:` line on stderr and exit `code` (2: flags, 1: files)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one CLIError line (no usage block)."""
+
+    def error(self, message):
+        raise CLIError(f"{message} (see {self.prog} --help)", 2)
+
+
+def run_tool(main: Callable[[], int]) -> int:
+    """Call a tool's body; its bad input (CLIError, and the planner's own refusals) is one line."""
+    from dcp_ext.planners.common import PlanningError
+
+    try:
+        return main()
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except PlanningError as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else 'no plan'}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:  # writing --out / --json / --timeline
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: cannot write{where}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def validate_common_args(args) -> None:
+    """Ranges and relations of the shared flags, as training checks its own (--dcp)."""
+    for flag, value in (("--global-batch-tokens", args.global_batch_tokens), ("--max-seq-len", args.max_seq_len),
+                        ("--iterations", args.iterations)):
+        if value < 1:
+            raise CLIError(f"{flag} {value} must be >= 1")
+    if args.start < 0:
+        raise CLIError(f"--start {args.start} must be >= 0")
+    if args.max_seq_len > args.global_batch_tokens:  # the rule training enforces (--dcp-max-seq-len)
+        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds --global-batch-tokens {args.global_batch_tokens}: "
+                       "a sequence must fit in one global batch")
+    if not 0.0 <= args.memory_margin < 1.0:
+        raise CLIError(f"--memory-margin {args.memory_margin:g} must be in [0, 1)")
+    if args.profile is not None:
+        from dcp_ext.profile import profile_problem
+
+        problem = profile_problem(args.profile)
+        if problem:
+            raise CLIError(f"--profile {args.profile}: {problem}", 1)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -31,34 +87,61 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_lengths(path: str) -> np.ndarray:
+    """One positive integer a line; anything else names the file and the line."""
+    if os.path.isdir(path):
+        raise CLIError(f"--lengths {path}: is a directory, not a file of lengths", 1)
+    if not os.path.isfile(path):
+        raise CLIError(f"--lengths {path}: no such file", 1)
     vals = []
-    with open(path) as f:
-        for n, line in enumerate(f):
-            t = line.strip()
-            if not t:
-                raise SystemExit(f"{path}:{n + 1}: empty line (one length per line expected)")
-            vals.append(int(t))
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f):
+                t = line.strip()
+                if not t:
+                    raise CLIError(f"{path}:{n + 1}: empty line (one length per line expected)", 1)
+                try:
+                    v = int(t)
+                except ValueError:
+                    raise CLIError(f"{path}:{n + 1}: {t[:40]!r} is not an integer length (one per line)", 1) from None
+                if v < 1:
+                    raise CLIError(f"{path}:{n + 1}: length {v} must be >= 1 (tokens of a document)", 1)
+                vals.append(v)
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not a text file of lengths (one integer per line)", 1) from None
+    except OSError as e:
+        raise CLIError(f"--lengths {path}: cannot read it ({e.strerror or e})", 1) from None
     if not vals:
-        raise SystemExit(f"{path}: no lengths")
+        raise CLIError(f"{path}: no lengths (the file is empty)", 1)
     return np.asarray(vals, dtype=np.int64)
 
 
+def _spec(kind, name: str, flag: str):
+    if name.endswith(".json"):
+        if not os.path.isfile(name):
+            raise CLIError(f"{flag} {name}: no such file", 1)
+        try:
+            with open(name) as f:
+                return kind.from_json(json.load(f))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CLIError(f"{flag} {name}: not a {kind.__name__} JSON file ({str(e).splitlines()[0][:200]})", 1) from None
+    try:
+        return kind.from_preset(name)
+    except (ValueError, KeyError) as e:
+        raise CLIError(f"{flag}: {str(e).splitlines()[0]} (or a {kind.__name__} .json file)") from None
+
+
 def model_spec(name: str) -> ModelSpec:
-    if os.path.exists(name) and name.endswith(".json"):
-        with open(name) as f:
-            return ModelSpec.from_json(json.load(f))
-    return ModelSpec.from_preset(name)
+    return _spec(ModelSpec, name, "--model")
 
 
 def cluster_spec(name: str) -> ClusterSpec:
-    if os.path.exists(name) and name.endswith(".json"):
-        with open(name) as f:
-            return ClusterSpec.from_json(json.load(f))
-    return ClusterSpec.from_preset(name)
+    return _spec(ClusterSpec, name, "--cluster")
 
 
 def batches(args, lengths: np.ndarray) -> list[list[int]]:
+    if args.start >= len(lengths):
+        raise CLIError(f"--start {args.start} is past the end of {args.lengths} ({len(lengths)} lengths)")
     out = global_batches(lengths.tolist(), args.global_batch_tokens, args.max_seq_len, count=args.iterations, start=args.start)
     if not out:
-        raise SystemExit("no global batch: the length file is empty after --start")
+        raise CLIError(f"no global batch in {args.lengths} from --start {args.start}", 1)
     return out

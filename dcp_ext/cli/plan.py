@@ -9,24 +9,29 @@ the planner would do on their data and cluster without any GPU.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import numpy as np
 
-from dcp_ext.cli.common import add_common_args, batches, cluster_spec, load_lengths, model_spec
+from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec, run_tool,
+                                validate_common_args)
 from dcp_ext.data.progress import Progress
 from dcp_ext.plan import Plan, validate_iteration
 from dcp_ext.planner import PLANNERS, make_planner
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dcp-plan", description=__doc__.split("\n\n")[0])
+    return run_tool(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    p = Parser(prog="dcp-plan", description=__doc__.split("\n\n")[0])
     add_common_args(p)
     p.add_argument("--planner", default="adaptive", choices=PLANNERS)
     p.add_argument("--out", required=True, help="plan JSON to write")
     args = p.parse_args(argv)
+    validate_common_args(args)
     lengths = load_lengths(args.lengths)
     truncated = np.minimum(lengths, args.max_seq_len)
     model, cluster = model_spec(args.model), cluster_spec(args.cluster)

@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 # Megatron flags that validation requires but profiling never uses.
-_UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4", "--lr-warmup-iters", "0"]
+_UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4", "--min-lr", "0", "--lr-warmup-iters", "0"]
 _NO_STATIC_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                      "--context-parallel-size", "1"]
 

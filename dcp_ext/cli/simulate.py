@@ -10,14 +10,14 @@ lower bound, planning time, peak predicted memory) and can draw one iteration.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import numpy as np
 
-from dcp_ext.cli.common import add_common_args, batches, cluster_spec, load_lengths, model_spec
+from dcp_ext.cli.common import (CLIError, Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
+                                run_tool, validate_common_args)
 from dcp_ext.cost_model import CostModel
 from dcp_ext.data.progress import Progress
 from dcp_ext.plan import validate_iteration
@@ -33,7 +33,9 @@ def run(args) -> dict:
     names = [n.strip() for n in args.planners.split(",") if n.strip()]
     for n in names:
         if n not in PLANNERS:
-            raise SystemExit(f"unknown planner {n!r}; choose from {', '.join(PLANNERS)}")
+            raise CLIError(f"--planners: unknown planner {n!r}; choose from {', '.join(PLANNERS)}")
+    if not names:
+        raise CLIError(f"--planners is empty; choose from {', '.join(PLANNERS)}")
     bs = batches(args, lengths)
     cm = CostModel(model, cluster, None, args.memory_margin)
     results: dict = {"model": model.name, "cluster": cluster.name, "iterations": len(bs),
@@ -138,7 +140,11 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dcp-simulate", description=__doc__.split("\n\n")[0])
+    return run_tool(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    p = Parser(prog="dcp-simulate", description=__doc__.split("\n\n")[0])
     add_common_args(p)
     p.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated; default all")
     p.add_argument("--timeline", default=None, help="PNG of one iteration")
@@ -146,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline-iteration", type=int, default=0)
     p.add_argument("--json", default=None, help="write all numbers here")
     args = p.parse_args(argv)
+    validate_common_args(args)
+    if args.timeline_iteration < 0:
+        raise CLIError(f"--timeline-iteration {args.timeline_iteration} must be >= 0")
     results = run(args)
     print(format_table(results))
     if args.json:

@@ -27,6 +27,7 @@ Semantics, in Megatron's terms:
 """
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from functools import lru_cache
@@ -34,7 +35,7 @@ from functools import lru_cache
 import numpy as np
 
 from dcp_ext.data.errors import DataError
-from dcp_ext.data.indexed import IndexedDocuments
+from dcp_ext.data.indexed import IndexedDocuments, check_same_data_on_every_rank
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -54,8 +55,9 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
         except ValueError:
             weights = None
         if weights is not None:
-            if any(w <= 0 for w in weights):
-                raise DataError(f"--data-path weights must be > 0: {items[0::2]}")
+            # nan <= 0 is False: test what a weight must be, not what it must not be
+            if not all(math.isfinite(w) and w > 0 for w in weights):
+                raise DataError(f"--data-path weights must be finite numbers > 0: {' '.join(items[0::2])}")
             return [p.strip() for p in items[1::2]], weights
     for p in items:
         if _is_number(p):
@@ -117,6 +119,7 @@ class DocumentDataset:
                                                        split_long_documents)
         self._len = self._len.astype(np.int64)
         self.has_loss_mask = docs.has_loss_mask
+        self.vocab_size: int | None = None  # set by build_document_datasets: every read is checked against it
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -158,7 +161,10 @@ class DocumentDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         u = int(self._units(np.array([i]))[0])
-        return np.asarray(self.docs.tokens(self._doc[u], self._off[u], self._len[u]), dtype=np.int64)
+        tokens = np.asarray(self.docs.tokens(self._doc[u], self._off[u], self._len[u]), dtype=np.int64)
+        if self.vocab_size is not None:
+            self.docs.check_token_ids(tokens, self.vocab_size, self._doc[u])
+        return tokens
 
     def loss_mask(self, i: int) -> np.ndarray | None:
         if not self.has_loss_mask:
@@ -255,15 +261,23 @@ class BlendedDocumentDataset:
 
 # ---- the builder ----------------------------------------------------------------------------
 
+def no_trainable_tokens_message(prefix: str, split_name: str, split: str) -> str:
+    return (f"{prefix}: the {split_name} split (--split {split}) has no trainable token: its SFT loss mask "
+            f"({prefix}_loss_mask) marks none, so it would train at loss 0; check --prompt-key/--response-key "
+            "(or the chat roles) when preprocessing")
+
+
 def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
                             split_long_documents: bool = False, cache_dir: str | None = None,
-                            vocab_size: int | None = None):
+                            vocab_size: int | None = None, tokenizer=None):
     """-> (train, valid, test); a split whose weight is 0 or that holds no document is None.
 
     `cache_dir` is accepted for symmetry with the fixed-length path; nothing needs caching
     (the indices are O(documents) numpy work). With `vocab_size`, token ids are checked
-    against it (cheaply: see IndexedDocuments.check_vocab). The train split must not be
-    empty. No torch.distributed calls: every rank builds the same datasets by itself.
+    against it (cheaply: see IndexedDocuments.check_vocab; then every sample as it is read);
+    with `tokenizer`, against the tokenizer the data was preprocessed with. The train split must not be
+    empty. Every rank builds the same datasets by itself; under torch.distributed the ranks
+    first check that they read the same version of the files (one all_gather_object).
     """
     del cache_dir
     prefixes, weights = parse_blend(data_path)
@@ -273,6 +287,8 @@ def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
         docs = IndexedDocuments(prefix)
         if len(docs) == 0 or int(np.count_nonzero(docs.lengths)) == 0:
             raise DataError(f"dataset {prefix} is empty (no non-empty document in {prefix}.idx)")
+        if tokenizer is not None:
+            docs.check_tokenizer(tokenizer)
         if vocab_size is not None:
             docs.check_vocab(int(vocab_size))
         n = len(docs)
@@ -281,10 +297,14 @@ def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
                 continue
             lo, hi = int(round(be[0] * n)), int(round(be[1] * n))
             ds = DocumentDataset(docs, (lo, hi), max_seq_len, seed, split_long_documents, SPLIT_NAMES[s])
+            ds.vocab_size = None if vocab_size is None else int(vocab_size)
+            if s == 0 and len(ds) and not docs.has_trainable_tokens(lo, hi):
+                raise DataError(no_trainable_tokens_message(docs.prefix, "train", split))
             if len(ds):
                 per_split[s].append((ds, weights[k] if weights is not None else float(len(ds))))
     if len({d.has_loss_mask for parts in per_split for d, _ in parts}) > 1:
         raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
+    check_same_data_on_every_rank(prefixes)
     out = []
     for s, parts in enumerate(per_split):
         if not parts:

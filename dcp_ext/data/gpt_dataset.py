@@ -16,12 +16,15 @@ No CUDA is needed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 
-from dcp_ext.data.documents import parse_blend, split_bookends
+import numpy as np
+
+from dcp_ext.data.documents import no_trainable_tokens_message, parse_blend, split_bookends
 from dcp_ext.data.errors import DataError
-from dcp_ext.data.indexed import IndexedDocuments
+from dcp_ext.data.indexed import IndexedDocuments, check_same_data_on_every_rank, megatron_indexed
 
 
 @contextlib.contextmanager
@@ -38,9 +41,11 @@ def _process_group_for_builder():
         dist.destroy_process_group()
 
 
-def _check_splits_have_tokens(prefix, lengths, bookends, sizes, split) -> None:
+def _check_splits_have_tokens(docs: IndexedDocuments, bookends, sizes, split) -> None:
     """megatron-core's GPTDataset loops for ever on a split that holds no token (it counts
-    epochs by tokens per epoch); refuse it up front. Document ranges as megatron-core cuts them."""
+    epochs by tokens per epoch); refuse it up front, and an SFT train split whose loss mask
+    marks nothing (it would train at loss 0). Document ranges as megatron-core cuts them."""
+    prefix, lengths = docs.prefix, docs.lengths
     n = len(lengths)
     starts = [0]
     for bookend in bookends:  # megatron-core rounds each part's share, then accumulates
@@ -52,6 +57,95 @@ def _check_splits_have_tokens(prefix, lengths, bookends, sizes, split) -> None:
         if int(lengths[lo:hi].sum()) == 0:
             raise DataError(f"the {name} split of {prefix} has no tokens with --split {split} ({n} documents): "
                             f"use more data, another --split, or --eval-iters 0")
+        if k == 0 and not docs.has_trainable_tokens(lo, hi):
+            raise DataError(no_trainable_tokens_message(prefix, name, split))
+
+
+class _CheckedReads:
+    """A megatron.core IndexedDataset whose reads are checked against the vocabulary: the
+    check every micro-batch makes (a max and a min of what was read), before GPTDataset pads
+    and replaces its pad id (-1) by 0, so no id escapes it. Names the document."""
+
+    def __init__(self, indexed, docs: IndexedDocuments, vocab_size: int):
+        self._indexed, self._docs, self._vocab = indexed, docs, vocab_size
+
+    def get(self, idx, offset=0, length=None):
+        arr = self._indexed.get(idx, offset=offset, length=length)
+        self._docs.check_token_ids(np.asarray(arr), self._vocab, int(idx))
+        return arr
+
+    def __getattr__(self, name):  # sequence_lengths, document_indices, ...
+        return getattr(self.__dict__["_indexed"], name)
+
+    def __len__(self):
+        return len(self._indexed)
+
+
+class CheckedSamples:
+    """A megatron.core GPTDataset whose samples carry the stored SFT loss mask and whose token
+    ids are checked against the vocabulary as each micro-batch is built (`_CheckedReads`).
+
+    GPTDataset concatenates documents into `seq_length` windows and knows nothing of a loss
+    mask: it would train on the prompts. The mask is a parallel indexed dataset with the same
+    sequence lengths, so the very same document/sample/shuffle indices cut it into the same
+    windows (a shallow copy of the dataset reading the mask file instead of the tokens). As on
+    the --dcp path, the mask acts on the label side: position j counts when token j+1 is a
+    response token.
+    """
+
+    def __init__(self, dataset, docs: IndexedDocuments, vocab_size: int):
+        self.dataset, self.docs, self.vocab_size = dataset, docs, int(vocab_size)
+        self._mask_view = None
+        if docs.has_loss_mask:
+            self._mask_view = copy.copy(dataset)
+            self._mask_view.dataset = megatron_indexed().IndexedDataset(docs.mask_prefix, multimodal=False, mmap=True)
+        dataset.dataset = _CheckedReads(dataset.dataset, docs, self.vocab_size)  # its indices are built: reads only
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):  # everything else is the GPTDataset's (config, index_split, ...)
+        return getattr(self.__dict__["dataset"], name)
+
+    def __getitem__(self, idx):
+        item = self.dataset[idx]
+        if self._mask_view is not None:
+            import torch
+
+            text, _ = self._mask_view._query_document_sample_shuffle_indices(idx)
+            shift = int(self.dataset.config.add_extra_token_to_sequence)
+            response = np.asarray(text[shift : shift + item["labels"].numel()]) > 0
+            item["loss_mask"] = item["loss_mask"] * torch.from_numpy(response).to(item["loss_mask"].dtype)
+        return item
+
+
+def damaged_cache_files(cache_dir: str) -> list[str]:
+    """The index files (.npy) megatron.core cached in `cache_dir` that do not load: a truncated
+    write (a killed job, or another job writing the same cache right now)."""
+    out = []
+    try:
+        names = sorted(os.listdir(cache_dir))
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(".npy"):
+            continue
+        path = os.path.join(cache_dir, name)
+        try:
+            np.load(path, allow_pickle=False, mmap_mode="r")
+        except (ValueError, EOFError, OSError):
+            out.append(path)
+    return out
+
+
+def _checked(dataset, docs_by_path: dict, vocab_size: int):
+    """Wrap every GPTDataset (also inside a BlendedDataset) in CheckedSamples."""
+    if dataset is None:
+        return None
+    if hasattr(dataset, "datasets"):  # BlendedDataset: it indexes self.datasets[k][i]
+        dataset.datasets = [_checked(d, docs_by_path, vocab_size) for d in dataset.datasets]
+        return dataset
+    return CheckedSamples(dataset, docs_by_path[dataset.dataset_path], vocab_size)
 
 
 def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: int, tokenizer,
@@ -71,12 +165,18 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
     if len(num_samples) != 3:
         raise DataError("num_samples must be (train, valid, test)")
     sizes = [None if n is None else int(n) for n in num_samples]
+    docs_by_path = {}
     for prefix in prefixes:
         docs = IndexedDocuments(prefix)
         if len(docs) == 0 or int(docs.lengths.sum()) == 0:
             raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
+        docs.check_tokenizer(tokenizer)
         docs.check_vocab(int(tokenizer.vocab_size))
-        _check_splits_have_tokens(prefix, docs.lengths, bookends, sizes, split)
+        _check_splits_have_tokens(docs, bookends, sizes, split)
+        docs_by_path[prefix] = docs
+    if len({d.has_loss_mask for d in docs_by_path.values()}) > 1:
+        raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
+    check_same_data_on_every_rank(prefixes)
     if weights is not None and any(n is None for n, be in zip(sizes, bookends) if be is not None):
         raise DataError("a weighted --data-path blend needs a sample count for every non-empty split")
     with warnings.catch_warnings():
@@ -92,5 +192,14 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
         eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
     )
     with _process_group_for_builder():
-        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    return train, valid, test
+        try:
+            train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+        except (ValueError, EOFError, OSError) as e:
+            damaged = damaged_cache_files(cache_dir)
+            if not damaged:
+                raise
+            raise DataError(f"data cache file {damaged[0]} is damaged (cut short: another job may be writing the "
+                            f"same --data-cache-path, or one was killed while writing it): delete it, or use "
+                            f"another --data-cache-path, and rerun ({type(e).__name__}: {str(e)[:80]})") from None
+    vocab = int(tokenizer.vocab_size)
+    return tuple(_checked(d, docs_by_path, vocab) for d in (train, valid, test))

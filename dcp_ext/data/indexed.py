@@ -58,9 +58,14 @@ def meta_path(prefix: str) -> str:
 def check_prefix(prefix: str) -> dict:
     """Validate `{prefix}.idx` and `{prefix}.bin`; return header facts. Raises DataError."""
     ipath, bpath = idx_path(prefix), bin_path(prefix)
+    for path in (ipath, bpath):
+        _check_readable_file(path)
     has_idx, has_bin = os.path.isfile(ipath), os.path.isfile(bpath)
     if not has_idx and not has_bin:
-        raise DataError(f"no dataset at {prefix}: neither {ipath} nor {bpath} exists")
+        hint = ""
+        if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix):
+            hint = f" (--data-path takes the prefix without .bin/.idx: {prefix[:-4]})"
+        raise DataError(f"no dataset at {prefix}: neither {ipath} nor {bpath} exists{hint}")
     if not has_idx:
         raise DataError(f"{ipath} not found (its .bin exists)")
     if not has_bin:
@@ -112,6 +117,62 @@ def check_prefix(prefix: str) -> dict:
             "num_tokens": bin_expected // itemsize, "multimodal": multimodal, "lengths": lengths}
 
 
+def _check_readable_file(path: str) -> None:
+    """A data file that exists but cannot be read: said as such (not as a missing file or a traceback)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise DataError(f"{path} is a broken symbolic link (to {os.readlink(path)}): is its filesystem mounted?")
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a directory, not a data file")
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def fingerprint(prefix: str, edge: int = 1 << 20) -> tuple:
+    """What identifies a dataset's version without reading it: the sizes of its files and a
+    CRC of the first and last MiB of its `.idx` (lengths and offsets of the first and last
+    documents), plus its loss mask's sizes. The path is not part of it."""
+    import zlib
+
+    def crc_of(path: str) -> int:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(edge)
+            f.seek(max(size - edge, 0))
+            return zlib.crc32(f.read(edge), zlib.crc32(head))
+
+    parts = [os.path.getsize(idx_path(prefix)), os.path.getsize(bin_path(prefix)), crc_of(idx_path(prefix))]
+    mask = prefix + LOSS_MASK_SUFFIX
+    if os.path.isfile(idx_path(mask)):
+        parts += [os.path.getsize(idx_path(mask)), os.path.getsize(bin_path(mask))]
+    return tuple(parts)
+
+
+def check_same_data_on_every_rank(prefixes) -> None:
+    """Collective when torch.distributed runs with several ranks (a no-op otherwise): every
+    rank must read the same version of every dataset. Nodes with their own copies of the data
+    (a stale copy, a sync still running) would otherwise train on different batches, or hang.
+    Call it on every rank, after each has checked its files."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    ours = [fingerprint(p) for p in prefixes]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ours)
+    for rank, theirs in enumerate(every):
+        for prefix, a, b in zip(prefixes, every[0], theirs):
+            if a != b:
+                raise DataError(f"rank {rank} reads another version of {prefix} than rank 0 (.idx/.bin of "
+                                f"{b[0]}/{b[1]} bytes vs {a[0]}/{a[1]}, or other contents): every node must see "
+                                "the same data files (a stale copy, or a copy still being written?)")
+
+
 def read_meta(prefix: str) -> dict | None:
     path = meta_path(prefix)
     if not os.path.isfile(path):
@@ -137,8 +198,10 @@ class IndexedDocuments:
         self._mask = None
         self.mask_prefix = prefix + LOSS_MASK_SUFFIX
         self.has_loss_mask = os.path.isfile(idx_path(self.mask_prefix))
+        self.mask_dtype = np.uint8
         if self.has_loss_mask:
             minfo = check_prefix(self.mask_prefix)
+            self.mask_dtype = minfo["dtype"]
             if minfo["num_sequences"] != len(self.lengths) or not np.array_equal(minfo["lengths"], self.lengths):
                 raise DataError(f"{idx_path(self.mask_prefix)} does not match {idx_path(prefix)} "
                                 "(loss mask lengths differ from token lengths)")
@@ -164,6 +227,46 @@ class IndexedDocuments:
             self._mask = self._open(self.mask_prefix)
         got = self._mask.get(int(i), offset=int(offset), length=None if length is None else int(length))
         return np.array(got, dtype=np.uint8)
+
+    def check_token_ids(self, tokens: np.ndarray, vocab_size: int, doc: int) -> None:
+        """The check every micro-batch makes on the tokens it reads (a max and a min): a token id
+        outside the vocabulary would index past the embedding table mid-run."""
+        if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+            bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
+            raise DataError(f"vocabulary mismatch: {bin_path(self.prefix)} document {int(doc)} has token id {bad}, "
+                            f"outside the tokenizer's vocabulary of {vocab_size}; was it preprocessed with another "
+                            "tokenizer, or is the file damaged?")
+
+    def has_trainable_tokens(self, lo: int = 0, hi: int | None = None, chunk: int = 1 << 24) -> bool:
+        """Whether the loss mask of sequences lo..hi-1 marks any token (plain data: always).
+        Reads the uint8 mask in chunks and stops at the first marked token."""
+        if not self.has_loss_mask:
+            return True
+        hi = len(self) if hi is None else hi
+        if hi <= lo:
+            return False
+        starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        a, b = int(starts[lo]), int(starts[hi])
+        mask = np.memmap(bin_path(self.mask_prefix), mode="r", dtype=self.mask_dtype)
+        try:
+            return any(bool(mask[i:min(i + chunk, b)].any()) for i in range(a, b, chunk))
+        finally:
+            del mask
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Data preprocessed with one tokenizer (its meta file says which), trained with another:
+        the ids mean other words and EOD is another id. Compared by vocabulary size and EOD id;
+        NullTokenizer (how Megatron trains on pre-tokenized data) is never refused."""
+        saved = (self.meta or {}).get("tokenizer")
+        ours = dict(getattr(tokenizer, "unique_identifiers", None) or {})
+        if not isinstance(saved, dict) or not ours or "NullTokenizer" in (saved.get("class"), ours.get("class")):
+            return
+        for key in ("vocab_size", "eod"):
+            if saved.get(key) is not None and ours.get(key) is not None and saved[key] != ours[key]:
+                raise DataError(f"tokenizer mismatch: {self.prefix} was preprocessed with {saved.get('class')} "
+                                f"(vocab {saved.get('vocab_size')}, EOD {saved.get('eod')}; {meta_path(self.prefix)}), "
+                                f"this run uses {ours.get('class')} (vocab {ours.get('vocab_size')}, EOD "
+                                f"{ours.get('eod')}): pass the tokenizer flags it was preprocessed with")
 
     def check_vocab(self, vocab_size: int, first: int = 64) -> None:
         """Raise DataError if a token id >= vocab_size: from the meta file, else the first docs."""

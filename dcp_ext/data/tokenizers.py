@@ -152,7 +152,11 @@ class HuggingFaceTokenizer(Tokenizer):
             from transformers import AutoTokenizer
 
             path = os.path.dirname(tokenizer_model) if os.path.isfile(tokenizer_model) else tokenizer_model
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            try:
+                self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except Exception as e:  # transformers raises OSError, ValueError, or the tokenizers library's Exception
+                raise DataError(f"--tokenizer-model {tokenizer_model}: cannot load the tokenizer "
+                                f"({_first_line(e)})") from None
             self.vocab_size = len(self._hf)
             eod = self._hf.eos_token_id
         else:
@@ -165,7 +169,10 @@ class HuggingFaceTokenizer(Tokenizer):
                 os.path.join(tokenizer_model, "tokenizer.json")
             if not os.path.isfile(file):
                 raise DataError(f"no tokenizer.json in {tokenizer_model}")
-            self._fast = FastTokenizer.from_file(file)
+            try:
+                self._fast = FastTokenizer.from_file(file)
+            except Exception as e:  # the tokenizers library raises a bare Exception on a damaged file
+                raise DataError(f"{file} is not a valid tokenizer.json ({_first_line(e)})") from None
             self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
             eod = None
             for name in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"):
@@ -206,7 +213,10 @@ class SentencePieceTokenizer(Tokenizer):
         except ImportError:
             raise DataError(f"{name} needs `pip install sentencepiece`") from None
         self.path = tokenizer_model
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{tokenizer_model} is not a SentencePiece model ({_first_line(e)})") from None
         self.vocab_size = int(self.sp.vocab_size())
         eod = int(self.sp.eos_id())
         if eod < 0:
@@ -221,6 +231,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _identity(self):
         return super()._identity() + [("path", os.path.abspath(self.path))]
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,

@@ -8,7 +8,9 @@ with one line that names the fix (see `validate_args`).
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -20,6 +22,16 @@ class ArgumentError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear line instead of usage + message
         raise ArgumentError(message)
+
+
+# argparse (Python < 3.13) takes "-1e-3" or "-inf" for a flag, so `--lr -1e-3` said "expected one
+# argument". Any number is a value here (no flag of ours looks like one); range checks follow.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def allow_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser._negative_number_matcher = NEGATIVE_NUMBER
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
-    return p
+    return allow_negative_numbers(p)
 
 
 def _dest_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -170,23 +182,58 @@ def _dest_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def load_yaml_defaults(parser: argparse.ArgumentParser, path: str) -> None:
     import yaml
 
+    if os.path.isdir(path):
+        raise ArgumentError(f"--yaml-cfg {path}: is a directory, not a YAML file")
     if not os.path.isfile(path):
         raise ArgumentError(f"--yaml-cfg {path}: no such file")
     try:
         with open(path) as f:
-            cfg = yaml.safe_load(f) or {}
+            cfg = yaml.load(f, Loader=_unique_key_loader()) or {}
+    except _DuplicateKey as e:
+        raise ArgumentError(f"--yaml-cfg {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ArgumentError(f"--yaml-cfg {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArgumentError(f"--yaml-cfg {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(cfg, dict):
         raise ArgumentError(f"--yaml-cfg {path}: expected a mapping of flag names to values")
     actions = _dest_names(parser)
-    defaults = {}
+    defaults, seen = {}, {}
     for key, value in cfg.items():
         dest = str(key).replace("-", "_")
         if dest not in actions or dest == "yaml_cfg":
             raise ArgumentError(f"--yaml-cfg {path}: unknown key '{key}' (keys are flag names, e.g. num-layers)")
+        if dest in seen:  # num-layers and num_layers are one flag
+            raise ArgumentError(f"--yaml-cfg {path}: key '{key}' repeats '{seen[dest]}' (one value per flag)")
+        seen[dest] = key
         defaults[dest] = _yaml_value(actions[dest], value, f"--yaml-cfg {path}: key '{key}'")
     parser.set_defaults(**defaults)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_key_loader():
+    """yaml.SafeLoader that refuses a key given twice (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base class reports unhashable keys
+                if key in keys:
+                    raise _DuplicateKey(f"key '{key}' appears twice (lines {keys[key]} and "
+                                        f"{key_node.start_mark.line + 1}); one value per flag")
+                keys[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def _yaml_value(action: argparse.Action, value, where: str):
@@ -205,10 +252,16 @@ def _yaml_value(action: argparse.Action, value, where: str):
     return None if value is None else _convert(action, value, where)
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _convert(action: argparse.Action, value, where: str):
     convert = action.type or str
+    if isinstance(value, bool):  # YAML reads yes/no/on/off/true/false as booleans: never a number or a name
+        raise ArgumentError(f"{where}: expected {_TYPE_NAMES.get(convert, 'a value')}, got {str(value).lower()} "
+                            "(YAML reads yes/no/on/off as true/false; quote it if you mean the word)")
     try:
-        out = convert(str(value)) if not isinstance(value, bool) else convert(value)
+        out = convert(str(value))
     except (TypeError, ValueError):
         name = getattr(convert, "__name__", "value")
         raise ArgumentError(f"{where}: invalid {name} value: {value!r}") from None
@@ -222,11 +275,37 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_flags(build_parser(), argv, "see pretrain_gpt_dcp.py --help")
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = world_size_from_env(os.environ)
     args.world_size = world_size
+    check_ranges(args)  # before the derived values are computed from them (int(nan) would raise)
     fill_derived(args)
     validate_args(args)
     return args
+
+
+def world_size_from_env(env) -> int:
+    """WORLD_SIZE as torchrun sets it (1 without it), with RANK/LOCAL_RANK/MASTER_PORT checked:
+    a hand-written launcher that sets them wrong gets one line, not a traceback or a hang."""
+    values = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        text = env.get(name)
+        if text is None:
+            continue
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ArgumentError(f"environment variable {name}={text!r} is not an integer "
+                                "(torchrun sets it; check your launcher)") from None
+    world = values.get("WORLD_SIZE", 1)
+    if world < 1:
+        raise ArgumentError(f"environment variable WORLD_SIZE={world} must be >= 1")
+    if "RANK" in values and not 0 <= values["RANK"] < world:
+        raise ArgumentError(f"environment variable RANK={values['RANK']} is not in [0, WORLD_SIZE={world})")
+    if "LOCAL_RANK" in values and values["LOCAL_RANK"] < 0:
+        raise ArgumentError(f"environment variable LOCAL_RANK={values['LOCAL_RANK']} must be >= 0")
+    if "MASTER_PORT" in values and not 0 < values["MASTER_PORT"] < 65536:
+        raise ArgumentError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a TCP port (1-65535)")
+    return world
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str], hint: str) -> argparse.Namespace:
@@ -284,13 +363,96 @@ def fill_derived(args: argparse.Namespace) -> None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
 
 
+# Ranges of every numeric flag, checked before any relation (a zero would divide; a negative
+# count or a NaN would train on nonsense). (low, low inclusive, high, high inclusive); None: open.
+_AT_LEAST_1 = (1, True, None, False)
+_AT_LEAST_0 = (0, True, None, False)
+_POSITIVE = (0, False, None, False)
+_UNIT = (0, True, 1, False)  # [0, 1)
+RANGES = {
+    **{name: _AT_LEAST_1 for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "seq_length", "max_position_embeddings", "rotary_base", "make_vocab_size_divisible_by",
+        "recompute_num_layers", "distributed_timeout_minutes", "micro_batch_size", "global_batch_size",
+        "exit_interval", "hysteresis", "max_nan_iterations", "vocab_size", "save_interval", "dcp_global_batch_tokens",
+        "dcp_max_seq_len", "dcp_candidates", "ddp_bucket_size")},
+    **{name: _AT_LEAST_0 for name in (
+        "train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters", "eval_iters", "num_workers", "seed",
+        "lr", "min_lr", "weight_decay", "clip_grad")},
+    **{name: _POSITIVE for name in (
+        "norm_epsilon", "init_method_std", "adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale",
+        "loss_scale_window")},
+    **{name: _UNIT for name in ("adam_beta1", "adam_beta2", "sgd_momentum", "hidden_dropout", "attention_dropout")},
+    "lr_warmup_fraction": (0, True, 1, True),
+}
+_RANGE_WORDS = {_AT_LEAST_1: "must be >= 1", _AT_LEAST_0: "must be >= 0", _POSITIVE: "must be > 0",
+                _UNIT: "must be in [0, 1)"}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag within its range, and every float finite: one line naming the flag."""
+    for dest, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value) and dest in RANGES:
+            raise ArgumentError(f"{_flag(dest)} {_show(value)} is not a finite number")
+    for dest, rng in RANGES.items():
+        value = getattr(args, dest, None)
+        if value is None or isinstance(value, bool):
+            continue
+        lo, lo_in, hi, hi_in = rng
+        ok = (lo is None or (value >= lo if lo_in else value > lo)) and (hi is None or (value <= hi if hi_in else value < hi))
+        if not ok:
+            words = _RANGE_WORDS.get(rng) or f"must be in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+            raise ArgumentError(f"{_flag(dest)} {_show(value)} {words}")
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """Input files whose syntax is known before anything starts: the blend, the split, the profile."""
+    from dcp_ext.data.documents import parse_blend, split_bookends
+    from dcp_ext.data.errors import DataError
+
+    try:
+        if args.data_path:
+            parse_blend(args.data_path)
+        split_bookends(args.split)
+    except DataError as e:
+        raise ArgumentError(str(e)) from None
+    if args.load:
+        tracker = "latest_checkpointed_iteration.txt"
+        if os.path.exists(args.load) and not os.path.isdir(args.load):
+            raise ArgumentError(f"--load {args.load} is a file, not a checkpoint directory (the folder that holds "
+                                f"{tracker})")
+        name = os.path.basename(os.path.normpath(args.load))
+        if (re.match(r"^iter_\d{7}(\.old)?$", name) and not os.path.isfile(os.path.join(args.load, tracker))
+                and os.path.isfile(os.path.join(args.load, "metadata.json"))):
+            raise ArgumentError(f"--load {args.load} is one checkpoint's folder: pass its parent "
+                                f"{os.path.dirname(os.path.normpath(args.load))} (the folder that holds {tracker})")
+    if args.dcp_cost_profile is not None:
+        from dcp_ext.profile import profile_problem
+
+        problem = profile_problem(args.dcp_cost_profile)
+        if problem:
+            raise ArgumentError(f"--dcp-cost-profile {args.dcp_cost_profile}: {problem}")
+
+
 def validate_args(args: argparse.Namespace) -> None:
+    """The whole configuration, in one place: required flags, ranges, YAML types (at load),
+    relations between flags, and the syntax of input files named by flags."""
     def need(cond: bool, message: str) -> None:
         if not cond:
             raise ArgumentError(message)
 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    check_ranges(args)
+    need(args.min_lr <= args.lr, f"--min-lr {_show(args.min_lr)} is above --lr {_show(args.lr)}: the decay would raise it")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     need(min(tp, pp, cp) >= 1, "parallel sizes must be >= 1")
     need(
@@ -328,6 +490,12 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.seq_length % tp == 0, f"--seq-length {args.seq_length} must be a multiple of tp = {tp} with --sequence-parallel")
     need(args.max_position_embeddings >= args.seq_length or args.position_embedding_type != "learned_absolute",
          f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}")
+    if args.dcp and args.position_embedding_type == "learned_absolute":
+        need(args.dcp_max_seq_len <= args.max_position_embeddings,
+             f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --max-position-embeddings "
+             f"{args.max_position_embeddings} (learned absolute positions): lower it or raise --max-position-embeddings")
+    need(args.ffn_hidden_size % tp == 0,
+         f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
     need(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     if args.fp16 and args.loss_scale is None:
         need(args.initial_loss_scale > 0 and args.min_loss_scale > 0, "--initial-loss-scale and --min-loss-scale must be > 0")
@@ -360,6 +528,12 @@ def validate_args(args: argparse.Namespace) -> None:
     need(args.demo_corpus or args.mock_data or args.data_path, "--data-path is required (or --mock-data / --demo-corpus)")
     if args.recompute_granularity == "full":
         need(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+        need(args.recompute_num_layers is not None,
+             f"--recompute-granularity full needs --recompute-num-layers (1 to {args.num_layers // pp}, "
+             "the layers per pipeline stage)")
+    elif args.recompute_granularity == "selective":
+        need(args.recompute_num_layers is None, "--recompute-num-layers applies to --recompute-granularity full, "
+             "not selective")
     if args.lr_warmup_iters:
         need(args.lr_warmup_iters < (args.lr_decay_iters or 0),
              f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "
@@ -368,3 +542,6 @@ def validate_args(args: argparse.Namespace) -> None:
     need(args.tensorboard_log_interval > 0 and args.tensorboard_queue_size > 0,
          "--tensorboard-log-interval and --tensorboard-queue-size must be > 0")
     need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")
+    if args.lr_decay_style == "WSD":
+        need(args.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    check_files(args)

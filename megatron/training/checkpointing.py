@@ -1,19 +1,38 @@
-"""Checkpoints in Megatron's layout, torch_dist format, written atomically.
+"""Checkpoints in Megatron's layout, torch_dist format, written crash-safely.
 
     {save}/latest_checkpointed_iteration.txt      -> "1200"
     {save}/iter_0001200/                           -> megatron.core.dist_checkpointing files
 
-A save is written into `iter_XXXXXXX.incomplete/`, renamed to `iter_XXXXXXX/` once every
-rank has finished, and only then named in the tracker file (itself replaced atomically).
-A crash at any point therefore leaves the tracker naming a complete checkpoint. Because
-the format is sharded by global tensor slices, a checkpoint saved under one TP/PP/DP
-layout loads under another.
+The tracker file is the commit point: a checkpoint exists once the tracker names it. A
+save (rank 0 does every filesystem step; all ranks write their shards) goes:
+
+    1. recover      leftovers of an interrupted save are put right (`recover`, below)
+    2. stage        every rank writes into `iter_N.incomplete/`; fsync'd
+    3. aside        re-saving an existing `iter_N`: rename it to `iter_N.old`
+    4. rename       `iter_N.incomplete` -> `iter_N`
+    5. tracker      write `latest_checkpointed_iteration.txt.tmp`, fsync, rename over the tracker
+    6. delete old   rename `iter_N.old` -> `iter_N.deleting`, then remove that
+
+with the directory fsync'd after every rename, so a crash (or power loss) between any two
+steps leaves the tracker naming a complete checkpoint: the previous one up to step 5,
+this one from then on (re-saving the iteration the tracker already names: the old copy up
+to step 4, the new one from then on). What the loader does in each intermediate state
+(`find_checkpoint`): a stale `.incomplete` or `.deleting` is never read; if the tracker
+names iteration N but only `iter_N.old` exists (a re-save died between steps 3 and 4), it
+loads `iter_N.old` (always a complete copy: it is only ever made by renaming a complete
+`iter_N`, and is renamed away before its deletion starts); a `.old` next to its `iter_N` is
+a finished re-save's leftover and is ignored. The loader never changes the directory (it
+may be read-only); the next save's step 1 restores `iter_N.old` to `iter_N` when `iter_N`
+is missing and removes the other leftovers. tests/test_save_faults.py kills a save at each
+step in turn (`FAULT_POINTS`) and loads what is left. Because the format is sharded by
+global tensor slices, a checkpoint saved under one TP/PP/DP layout loads under another.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -25,6 +44,24 @@ from megatron.training.initialize import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
+STAGING_SUFFIX = ".incomplete"
+ASIDE_SUFFIX = ".old"
+DELETING_SUFFIX = ".deleting"
+
+# Where `DCP_FAULT_INJECT=<name>` kills rank 0 in a save, in the order a save reaches them
+# (tests/test_save_faults.py crashes at each in turn). "after_shards" kills every rank.
+FAULT_POINTS = (
+    "after_recover",      # step 1 done
+    "after_staging_dir",  # empty iter_N.incomplete/ made
+    "after_shards",       # every rank's shards in iter_N.incomplete/ (all ranks die here)
+    "after_aside",        # re-save only: iter_N -> iter_N.old
+    "after_rename",       # iter_N.incomplete -> iter_N
+    "after_tracker_tmp",  # tracker .tmp written and fsync'd, not yet renamed
+    "after_tracker",      # tracker names N: committed
+    "after_mark_delete",  # re-save only: iter_N.old -> iter_N.deleting
+    "mid_delete_old",     # re-save only: iter_N.deleting partly removed
+    "after_delete_old",   # re-save only: iter_N.deleting gone
+)
 
 
 class CheckpointError(RuntimeError):
@@ -39,6 +76,36 @@ def _fault_point(name: str) -> None:
     """Test hook: `DCP_FAULT_INJECT=<name>` kills the process here (crash-safety tests)."""
     if os.environ.get("DCP_FAULT_INJECT") == name:
         os._exit(17)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames/creations inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory dist_checkpointing finished writing (it writes metadata.json last)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def find_checkpoint(root: str, iteration: int) -> str | None:
+    """The complete directory holding `iteration` under `root`: `iter_N`, or `iter_N.old` when a
+    re-save was interrupted between moving the old copy aside and moving the new one in."""
+    final = checkpoint_dir(root, iteration)
+    if is_complete(final):
+        return final
+    if not os.path.exists(final) and is_complete(final + ASIDE_SUFFIX):
+        return final + ASIDE_SUFFIX
+    return None
 
 
 def read_tracker(root: str) -> int | None:
@@ -60,29 +127,113 @@ def _write_tracker(root: str, iteration: int) -> None:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
+    _fault_point("after_tracker_tmp")
     os.replace(tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
+
+
+_ITER_DIR = re.compile(r"^iter_\d{7}$")
+
+
+def recover(root: str) -> None:
+    """Step 1 of a save (rank 0): put right what an interrupted save left in `root`.
+
+    `iter_N.old` without `iter_N` is a complete copy moved aside by a re-save that died
+    before its replacement moved in: rename it back (atomic; the loader reads either name).
+    Every other leftover is garbage and removed: `iter_N.old` next to `iter_N` (a finished
+    re-save's), `*.deleting` (a half-deleted one), `*.incomplete` (an unfinished staging),
+    the tracker's .tmp.
+    """
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(ASIDE_SUFFIX) and _ITER_DIR.match(name[: -len(ASIDE_SUFFIX)]):
+            base = path[: -len(ASIDE_SUFFIX)]
+            if not os.path.exists(base) and is_complete(path):
+                os.rename(path, base)
+                _fsync_dir(root)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)) and _ITER_DIR.match(name.rsplit(".", 1)[0]):
+            shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.remove(os.path.join(root, TRACKER + ".tmp"))
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush a staged checkpoint: its files (dist_checkpointing fsyncs the shards it writes;
+    the small ones it may not) and its directories."""
+    for d, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _fsync_dir(d)
+
+
+def _remove_old(path: str) -> None:
+    """Step 6: delete a replaced checkpoint (file by file, so a test can stop it halfway)."""
+    first = True
+    for d, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            os.remove(os.path.join(d, name))
+            if first:
+                _fault_point("mid_delete_old")
+                first = False
+        for name in dirs:
+            os.rmdir(os.path.join(d, name))
+    os.rmdir(path)
 
 
 def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
-    """Collective: every rank calls it with its sharded state dict."""
+    """Collective: every rank calls it with its sharded state dict. The one save protocol of
+    both checkpoint kinds (module docstring: the steps and what a crash between them leaves)."""
     from megatron.core import dist_checkpointing
 
+    mcore_compat.keep_checkpoint_writes_in_process()  # no writer process left behind by a crash
     final = checkpoint_dir(root, iteration)
-    staging = final + ".incomplete"
+    staging = final + STAGING_SUFFIX
+    aside = final + ASIDE_SUFFIX
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        recover(root)
+        _fault_point("after_recover")
         os.makedirs(staging)
+        _fsync_dir(root)
+        _fault_point("after_staging_dir")
     dist.barrier()
     dist_checkpointing.save(state, staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_tree(staging)
     _fault_point("after_shards")
     dist.barrier()
     if dist.get_rank() == 0:
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace it
-            shutil.rmtree(final)
+        if os.path.exists(final):  # re-saving an iteration (a relaunch of a finished job, a resume)
+            os.rename(final, aside)
+            _fsync_dir(root)
+            _fault_point("after_aside")
         os.rename(staging, final)
+        _fsync_dir(root)
         _fault_point("after_rename")
         _write_tracker(root, iteration)
+        _fault_point("after_tracker")
+        if os.path.exists(aside):
+            doomed = final + DELETING_SUFFIX
+            os.rename(aside, doomed)  # from here on nothing reads it: `.old` only ever names a complete copy
+            _fsync_dir(root)
+            _fault_point("after_mark_delete")
+            _remove_old(doomed)
+            _fsync_dir(root)
+            _fault_point("after_delete_old")
     dist.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
 
@@ -170,39 +321,168 @@ def resolve_load_dir(args) -> tuple[str, int] | None:
             raise CheckpointError(f"--load {args.load}: no {TRACKER} found (and --exit-on-missing-checkpoint is set)")
         print_rank_0(f"WARNING: no checkpoint in {args.load} ({TRACKER} missing); starting from scratch")
         return None
-    path = checkpoint_dir(args.load, iteration)
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"--load {args.load}: {TRACKER} names iteration {iteration} but {path} is missing or incomplete")
+    path = find_checkpoint(args.load, iteration)
+    if path is None:
+        raise CheckpointError(f"--load {args.load}: {TRACKER} names iteration {iteration} but "
+                              f"{checkpoint_dir(args.load, iteration)} is missing or incomplete")
+    if path.endswith(ASIDE_SUFFIX):
+        print_rank_0(f"  note: a re-save of iteration {iteration} was interrupted; loading its previous copy {path}")
     return path, iteration
 
 
+# ---- what is wrong with a checkpoint that does not load (the inspector) -----------------------
+
+COMMON_FILE = "common.pt"  # megatron.core's common (non-sharded) state
+SHARD_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every shard's bytes
+
+
+def _damage_hint(path: str) -> str:
+    """What to do about a damaged checkpoint: its earlier siblings, by name."""
+    root = os.path.dirname(os.path.abspath(path))
+    this = os.path.basename(os.path.abspath(path))
+    try:
+        others = sorted(n for n in os.listdir(root) if re.match(r"^iter_\d{7}$", n) and n != this
+                        and is_complete(os.path.join(root, n)))
+    except OSError:
+        others = []
+    where = f" (here: {', '.join(others[-3:])})" if others else ""
+    return (f"restore it from a copy, or resume from an earlier checkpoint{where} by writing its iteration "
+            f"into {os.path.join(root, TRACKER)}")
+
+
+def inspect_checkpoint(path: str) -> None:
+    """Raise CheckpointError naming the first file of checkpoint directory `path` that is
+    missing or damaged: metadata.json, common.pt, the shard index (.metadata), or a shard
+    file missing or shorter than the index says. Reads only the small files and the
+    shards' sizes, so it runs before every load."""
+    import json
+
+    meta = os.path.join(path, "metadata.json")
+    try:
+        with open(meta) as f:
+            info = json.load(f)
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is incomplete: metadata.json is missing (the save did not finish); "
+                              + _damage_hint(path)) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta} is damaged (not valid JSON: {str(e)[:80]}); {_damage_hint(path)}") from None
+    backend = info.get("sharded_backend")
+    if backend is not None and backend != "torch_dist":
+        raise CheckpointError(f"{path} was saved in format {backend!r}; this fork reads torch_dist checkpoints")
+    common = os.path.join(path, COMMON_FILE)
+    if not os.path.isfile(common):
+        raise CheckpointError(f"{path} is damaged: {COMMON_FILE} (iteration, arguments, scheduler) is missing; "
+                              + _damage_hint(path))
+    index = os.path.join(path, SHARD_INDEX)
+    if not os.path.isfile(index):
+        raise CheckpointError(f"{path} is damaged: {SHARD_INDEX} (the index of the shard files) is missing; "
+                              + _damage_hint(path))
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # a damaged pickle raises anything from EOFError to ValueError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise CheckpointError(f"{index} is damaged (cannot be read: {first}); {_damage_hint(path)}") from None
+    need: dict[str, int] = {}
+    for item in (storage or {}).values():
+        name = getattr(item, "relative_path", None)
+        if name is not None:
+            need[name] = max(need.get(name, 0), int(item.offset) + int(item.length))
+    for name in sorted(need):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"{path} is damaged: shard file {name} is missing (one of {len(need)} that "
+                                  f"{SHARD_INDEX} lists); {_damage_hint(path)}")
+        size = os.path.getsize(shard)
+        if size < need[name]:
+            raise CheckpointError(f"{shard} is truncated ({size} bytes, {SHARD_INDEX} says at least {need[name]}): "
+                                  f"the save was cut short or the copy is incomplete; {_damage_hint(path)}")
+
+
+def load_common_or_explain(path: str) -> dict:
+    """megatron.core's common state of checkpoint `path`, after the inspector; a failure names the file."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.os_errors import explain_os_error
+
+    inspect_checkpoint(path)
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # everything it reads is common.pt: whatever went wrong, that file is the cause
+        os_line = explain_os_error(e)
+        if os_line:
+            raise CheckpointError(f"cannot read {os.path.join(path, COMMON_FILE)}: {os_line}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise CheckpointError(f"{os.path.join(path, COMMON_FILE)} is damaged (cannot be read: {first}); "
+                              + _damage_hint(path)) from None
+
+
+_DAMAGE_WORDS = ("unpickl", "pickle data was truncated", "ran out of input", "eoferror", "invalid load key",
+                 "pytorchstreamreader", "corrupt", "truncated", "unexpected end", "crc", "bad zip",
+                 "weights only load failed")
+
+
+def _inner_failures(e: BaseException) -> list[BaseException]:
+    """The exceptions inside `e`: torch's per-rank failures, causes and contexts."""
+    out, todo = [], [e]
+    while todo and len(out) < 16:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values() if v is not None]
+        todo += [x.__cause__, x.__context__]
+    return [x for x in out if isinstance(x, BaseException)]
+
+
 def load_or_explain(request: dict, path: str, **kwargs) -> dict:
-    """dist_checkpointing.load, with a mismatch between checkpoint and model as one line."""
+    """dist_checkpointing.load, with its failure as one line that names the cause: a file
+    missing or damaged (the inspector), the operating system (a disk), or a checkpoint that
+    does not match this model (the model flags)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from megatron.training.os_errors import explain_os_error
+
     try:
         return dist_checkpointing.load(request, path, **kwargs)
-    except (CheckpointingException, CheckpointException, KeyError, RuntimeError) as e:
+    except (CheckpointingException, CheckpointException, KeyError, RuntimeError, OSError, EOFError, ValueError) as e:
+        os_line = explain_os_error(e)
+        if os_line:
+            raise CheckpointError(f"cannot read checkpoint {path}: {os_line}") from None
+        inspect_checkpoint(path)  # a file missing or cut short is the cause, whatever the message said
+        inner = _inner_failures(e)
+        missing = [x for x in inner if isinstance(x, FileNotFoundError)]
+        if missing:
+            raise CheckpointError(f"{path} is damaged: {missing[0].filename or missing[0]} is missing; "
+                                  + _damage_hint(path)) from None
         # torch wraps the per-rank failures: the innermost "...Exception: message" line says why
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         causes = [line.split(": ", 1)[1] for line in lines if ": " in line and line.split(": ", 1)[0].endswith(
             ("Exception", "Error"))]
         why = (causes[-1] if causes else lines[0] if lines else type(e).__name__)[:300]
+        text = (" ".join(f"{type(x).__name__} {x}" for x in inner) + " " + str(e)).lower()
+        # bytes that do not decode (a shard of the right size, overwritten): not the model flags' fault
+        if any(isinstance(x, (EOFError, OSError)) for x in inner) or any(w in text for w in _DAMAGE_WORDS):
+            raise CheckpointError(f"{path} is damaged: a shard cannot be read ({why.split('. ')[0][:100]}); "
+                                  + _damage_hint(path)) from None
         raise CheckpointError(f"{path} cannot be loaded into this model ({why}): check the model flags") from None
 
 
 def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     """Restore model (always), optimizer, scheduler and RNG (unless told not to); returns
     (iteration, consumed samples) to continue from."""
-    from megatron.core import dist_checkpointing
-
     found = resolve_load_dir(args)
     if found is None:
         return 0, 0
     path, _ = found
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = load_common_or_explain(path)
     if common.get("format") == "dcp-fixed-sharding/v1":
         raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
                               "or export it with tools/convert_dcp_checkpoint.py")

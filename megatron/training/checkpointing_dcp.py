@@ -74,13 +74,11 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
 
 
 def load(args, engine, scheduler, planner) -> tuple[int, int]:
-    from megatron.core import dist_checkpointing
-
     found = ckpt.resolve_load_dir(args)
     if found is None:
         return 0, 0
     path, _ = found
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = ckpt.load_common_or_explain(path)
     if common.get("format") != FORMAT:
         raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp); "
                                    "resume it without --dcp")

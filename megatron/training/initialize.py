@@ -34,7 +34,16 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
+    try:
+        dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
+    except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        from megatron.training.arguments import ArgumentError
+
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "?")
+        raise ArgumentError(f"MASTER_PORT {port} on {addr} is already in use (another job on this machine?): "
+                            "set MASTER_PORT to a free port, or pass torchrun --master-port") from None
 
 
 def _restart_safe_store(timeout) -> dict:

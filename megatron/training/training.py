@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing, global_vars
+from megatron.training import checkpointing, global_vars, preflight
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
     initialize_distributed,
@@ -175,9 +175,15 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
     """One line on stderr and a non-zero exit. Errors every rank meets alike (flags) print once."""
     import os
 
-    rank = int(os.environ.get("RANK", "0"))
-    if every_rank or rank == 0:
-        prefix = f"[rank {rank}] " if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    def env_int(name: str, default: int) -> int:  # the environment may be what is wrong
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    if every_rank or rank == 0 or not 0 <= rank < world:
+        prefix = f"[rank {rank}] " if every_rank and world > 1 else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -209,10 +215,22 @@ def pretrain(
         _report_error_and_exit(str(e))
     except RuntimeError as e:
         if not _is_lost_peer(e):
-            raise
+            _report_os_error_or_raise(e, args)
         first = str(e).strip().splitlines()[0][:200]
         _report_error_and_exit(f"lost contact with another rank ({first}): it died or hangs; see its log, then "
                                "rerun to resume from the last checkpoint")
+    except BaseException as e:  # an OSError (full disk, permissions), or torch's CheckpointException wrapping one
+        _report_os_error_or_raise(e, args)
+
+
+def _report_os_error_or_raise(e: BaseException, args=None) -> None:
+    """A failure of the operating system (full disk, read-only path) is one line; anything else propagates."""
+    from megatron.training.os_errors import explain_failure
+
+    line = explain_failure(e, args) if not isinstance(e, (SystemExit, KeyboardInterrupt)) else None
+    if line is None:
+        raise e
+    _report_error_and_exit(line)
 
 
 def _is_lost_peer(e: BaseException) -> bool:
@@ -224,6 +242,7 @@ def _is_lost_peer(e: BaseException) -> bool:
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
     global_vars.build_tokenizer(args)
     if args.dcp:
         from megatron.training.training_dcp import train_adaptive

@@ -132,6 +132,18 @@ def evaluate(args, engine, planner, valid_ds) -> float:
     return total / max(tokens, 1.0)
 
 
+def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
+    """A global batch with no token to train on would train at loss 0: say why, naming a sample."""
+    prefix, doc, _ = dataset.source(batch.sample_ids[0])
+    if getattr(dataset, "has_loss_mask", False):
+        why = (f"their SFT loss mask is 0 on every token kept (prompts longer than --dcp-max-seq-len "
+               f"{args.dcp_max_seq_len}?)")
+    else:
+        why = "every sample is one token long" + (" or all EOD (--eod-mask-loss)" if args.eod_mask_loss else "")
+    return (f"iteration {iteration}: the global batch's {len(batch.sample_ids)} samples have no token to train on: "
+            f"{why}; first sample: {prefix} document {doc}")
+
+
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
     from dcp_ext.data.batches import GlobalBatchStream
     from dcp_ext.data.thd import materialize, num_loss_tokens
@@ -199,6 +211,10 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         batches = [materialize(train_ds, mb.sample_ids, pad_each_to=each, pad_total_to=total,
                                eod_mask_loss=args.eod_mask_loss, eod=eod) for mb in rep.micro_batches]
         loss_tokens = num_loss_tokens(train_ds, batch.sample_ids, args.eod_mask_loss, eod)
+        if loss_tokens == 0:
+            from megatron.training.training import TrainingError
+
+            raise TrainingError(no_loss_tokens_message(args, iteration + 1, train_ds, batch))
         result = engine.step(it, batches, loss_tokens)
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:

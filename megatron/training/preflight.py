@@ -1,0 +1,172 @@
+"""Before training starts: every path the run will write can be written.
+
+Without this, `--save` naming a file or a read-only directory is found at the first save,
+after the whole interval's work, and a `--loss-log` in a missing folder at the first log
+line. Each rank checks the paths it will write itself (the shards of `--save` are written by
+every rank; `--loss-log` and `--tensorboard-dir` by the last, `--dcp-log-plan` by rank 0),
+by creating, writing (64 KiB, fsync'd) and removing a probe file where the run will create
+its files, so that what the OS says (no space, permission denied, read-only file system)
+is what the line says. The ranks then agree (one all_gather), and if any path fails every
+rank stops with the same one line: the flag, the path, the problem and the fix.
+
+Nothing is created but the probe: a missing `--save`/`--tensorboard-dir`/`--data-cache-path`
+directory is made later by the run as before (the check probes its nearest existing
+parent), and an existing file is opened for appending, never written. An existing, non-empty
+`--data-cache-path` that cannot be written is accepted: it may hold a prebuilt cache that
+the run only reads.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from megatron.training.arguments import ArgumentError
+
+PROBE_BYTES = 64 * 1024
+
+
+class OutputPathError(ArgumentError):
+    """A path the run would write cannot be written; the message names flag, path, problem, fix."""
+
+
+def paths_to_check(args, rank: int, world_size: int) -> list[tuple[str, str, str]]:
+    """(flag, path, kind) this rank will write; kind: 'dir' (made if missing), 'file'
+    (appended to; its folder must exist), 'cache' (a dir that may be a read-only prebuilt cache)."""
+    out = []
+    if getattr(args, "save", None):
+        out.append(("--save", args.save, "dir"))
+    last = rank == world_size - 1
+    if getattr(args, "loss_log", None) and last:
+        out.append(("--loss-log", args.loss_log, "file"))
+    if getattr(args, "tensorboard_dir", None) and last:
+        out.append(("--tensorboard-dir", args.tensorboard_dir, "dir"))
+    if getattr(args, "dcp_log_plan", None) and rank == 0:
+        out.append(("--dcp-log-plan", args.dcp_log_plan, "file"))
+    # the static data path caches its sample index there; --dcp only for the demo corpus
+    cached = not getattr(args, "dcp", False) or getattr(args, "demo_corpus", False)
+    if getattr(args, "data_cache_path", None) and cached:
+        out.append(("--data-cache-path", args.data_cache_path, "cache"))
+    return out
+
+
+def _os_problem(e: OSError, flag: str, what: str) -> tuple[str, str]:
+    """(problem, fix) for an OS error, said as the OS means it."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied", f"point {flag} to a {what} this user can write, or fix its permissions"
+    if e.errno == errno.EROFS:
+        return "read-only file system", f"point {flag} to a writable file system"
+    if e.errno == errno.ENOSPC:
+        return "no space left on the device", f"free space there or point {flag} to another disk"
+    if getattr(errno, "EDQUOT", None) == e.errno:
+        return "disk quota exceeded", f"free space there or point {flag} to another disk"
+    return (e.strerror or type(e).__name__).lower(), f"point {flag} elsewhere"
+
+
+def _probe(folder: str) -> OSError | None:
+    """Create, write, fsync and remove a probe file in `folder`; the OS error, if any."""
+    name = os.path.join(folder, f".preflight-{socket.gethostname()}-{os.getpid()}")
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e
+    try:
+        try:
+            os.write(fd, b"\0" * PROBE_BYTES)
+            os.fsync(fd)
+        except OSError as e:
+            return e
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            os.remove(name)
+        except OSError:
+            pass
+    return None
+
+
+def _existing_ancestor(path: str) -> str:
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def check_dir(flag: str, path: str, cache: bool = False) -> str | None:
+    """None if the run can create files in directory `path` (made if missing), else the line."""
+    full = os.path.abspath(path)
+    base = _existing_ancestor(full)
+    if not os.path.isdir(base):
+        where = "is a file, not a directory" if base == full else f"{base} is a file, not a directory"
+        return f"{flag} {path}: {where}: point {flag} to a directory"
+    err = _probe(base)
+    if err is None:
+        return None
+    if cache and base == full and os.listdir(full):
+        return None  # may be a prebuilt cache that the run only reads
+    problem, fix = _os_problem(err, flag, "directory")
+    where = f"cannot create files in {base}" if base == full else f"cannot create {full} in {base}"
+    return f"{flag} {path}: {problem} ({where}): {fix}"
+
+
+def check_file(flag: str, path: str) -> str | None:
+    """None if the run can append to file `path` (created if missing), else the line."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{flag} {path}: is a directory, not a file: give {flag} a file name"
+    folder = os.path.dirname(full)
+    if not os.path.isdir(folder):
+        base = _existing_ancestor(folder)
+        if os.path.lexists(base) and not os.path.isdir(base):
+            return f"{flag} {path}: {base} is a file, not a folder: point {flag} to a file in an existing folder"
+        return f"{flag} {path}: folder {folder} does not exist: create it (mkdir -p {folder}) or point {flag} elsewhere"
+    if os.path.exists(full):
+        if not os.path.isfile(full):
+            return None  # /dev/null and friends: nothing to probe without writing
+        try:
+            os.close(os.open(full, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            problem, fix = _os_problem(e, flag, "file")
+            return f"{flag} {path}: {problem} (cannot append to it): {fix}"
+        return None
+    err = _probe(folder)
+    if err is None:
+        return None
+    problem, fix = _os_problem(err, flag, "folder")
+    return f"{flag} {path}: {problem} (cannot create files in {folder}): {fix}"
+
+
+def check_paths(args, rank: int = 0, world_size: int = 1) -> tuple[str | None, str | None, list[str]]:
+    """(flag, line) of the first problem among the paths this rank writes ((None, None) if
+    all are fine), and the flags it checked."""
+    checked = []
+    for flag, path, kind in paths_to_check(args, rank, world_size):
+        checked.append(flag)
+        problem = check_file(flag, path) if kind == "file" else check_dir(flag, path, cache=kind == "cache")
+        if problem:
+            return flag, problem, checked
+    return None, None, checked
+
+
+def check_output_paths(args) -> None:
+    """Collective when torch.distributed is up: every rank checks its paths, then all agree.
+    Raises OutputPathError (the same line on every rank) if any path fails anywhere."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    flag, problem, checked = check_paths(args, rank, world)
+    if distributed and world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (flag, problem, checked, socket.gethostname()))
+        failed = [(r, f, p, host) for r, (f, p, _, host) in enumerate(everyone) if p]
+        if not failed:
+            return
+        r, flag, problem, host = failed[0]
+        if any(flag in c and not p for f, p, c, _ in everyone):  # fine elsewhere: a node-local problem
+            problem += f" (on rank {r}, host {host})"
+    if problem:
+        raise OutputPathError(problem)
