@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
+
+    from megatron.training.upstream_flags import add_upstream_flags
+
+    add_upstream_flags(p)  # last: upstream's flags we do not define, refused or accepted with a reason
     return allow_negative_numbers(p)
 
 
@@ -238,14 +242,20 @@ def _unique_key_loader():
 
 def _yaml_value(action: argparse.Action, value, where: str):
     """A YAML value checked and converted like the flag's command-line value would be."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             raise ArgumentError(f"{where}: expected true or false, got {value!r}")
         return value
-    if action.nargs == "*":
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
         items = value.split() if isinstance(value, str) else value
+        if action.nargs != "*" and not isinstance(items, (list, dict)) and items is not None:
+            items = [items]  # one value for a one-or-more flag, as on the command line
         if not isinstance(items, list):
             raise ArgumentError(f"{where}: expected a list, got {value!r}")
+        if isinstance(action.nargs, int) and len(items) != action.nargs:
+            raise ArgumentError(f"{where}: expected {action.nargs} values, got {len(items)}")
+        if action.nargs == "+" and not items:
+            raise ArgumentError(f"{where}: expected at least one value")
         return [_convert(action, item, where) for item in items]
     if isinstance(value, (list, dict)):
         raise ArgumentError(f"{where}: expected one value, got {value!r}")
@@ -449,6 +459,9 @@ def validate_args(args: argparse.Namespace) -> None:
         if not cond:
             raise ArgumentError(message)
 
+    from megatron.training.upstream_flags import check_upstream_flags
+
+    check_upstream_flags(args)  # first: a refused upstream flag is the answer, whatever else the line holds
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_ranges(args)
