@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing, global_vars, preflight, upstream_flags
+from megatron.training import checkpointing, global_vars, preflight
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
     initialize_distributed,
@@ -242,7 +242,9 @@ def _is_lost_peer(e: BaseException) -> bool:
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    upstream_flags.announce(args, print_rank_0)  # the upstream flags accepted without effect, once
+    from megatron.training.upstream_flags import announce
+
+    announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
     preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
     global_vars.build_tokenizer(args)
     if args.dcp:
