@@ -145,6 +145,7 @@ FAMILIES = {
     "ckpt_reshardable": (ACCEPT, "optimizer state is always saved fully reshardable here"),
     "ckpt_no_assets": (ACCEPT, "no tokenizer assets are saved here"),
     "msc_off": (ACCEPT, "the multi-storage client is never used here"),
+    "experimental": (ACCEPT, "it unlocks upstream's experimental features, none of which exist here"),
 }
 
 # Values of a refused flag that ask for nothing here (besides upstream's default, always harmless).
@@ -845,7 +846,7 @@ ROWS = [
     ('--fp4-param-gather', 'store_true', '', '', False, (), 'fp4'),
     ('--fp8-param-gather', 'store_true', '', '', False, (), 'pending_model'),
     ('--te-precision-config-file', 'value', '', '', None, (), 'precision'),
-    ('--enable-experimental', 'store_true', '', '', False, (), 'kernel'),
+    ('--enable-experimental', 'store_true', '', '', False, (), 'experimental'),
     ('--spec', 'value', 'str', '*', None, (), 'hybrid'),
     ('--hybrid-layer-pattern', 'value', 'str', '', None, (), 'hybrid'),
     ('--hybrid-override-pattern', 'value', 'str', '', None, (), 'hybrid'),
