@@ -59,6 +59,12 @@ def test_flags_reach_the_config():
     assert plain.calculate_per_token_loss and got.calculate_per_token_loss
 
 
+def test_sequence_parallel_at_tp1_is_turned_off_with_one_warning(capsys):
+    assert _args(["--sequence-parallel"]).sequence_parallel is False
+    assert capsys.readouterr().out.count(SP_WARNING) == 1
+    assert _args(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2).sequence_parallel
+
+
 def test_gpu_machine_honours_attention_fusion_and_fp8_flags():
     from megatron.core.transformer.enums import AttnBackend
 
