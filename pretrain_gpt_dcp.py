@@ -21,9 +21,10 @@ def model_provider(config, pre_process: bool = True, post_process: bool = True, 
     """megatron-core GPTModel for one pipeline stage (TE layers on GPUs, ours on CPUs)."""
     from dcp_ext.model import build_gpt_model
     from megatron.training.global_vars import get_args
+    from megatron.training.model_flags import Machine, uses_transformer_engine
 
     args = get_args()
-    use_te = None if args.transformer_impl is None else args.transformer_impl == "transformer_engine"
+    use_te = uses_transformer_engine(args, Machine.here())  # --transformer-impl, --attention-backend local
     return build_gpt_model(
         config,
         vocab_size=args.padded_vocab_size,
@@ -34,6 +35,7 @@ def model_provider(config, pre_process: bool = True, post_process: bool = True, 
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         use_te=use_te,
     )
 

@@ -360,10 +360,9 @@ class CostModel:
         # what transformer_config_from_args configures: no bias-activation fusion, no RoPE
         # fusion. The GPU terms assume upstream Megatron's GPU settings instead: TE layers,
         # fused bias-SwiGLU (--bias-swiglu-fusion) and fused RoPE.
-        # NOTE: transformer_config_from_args currently sets bias_activation_fusion=False and
-        # apply_rope_fusion=False on every device; a GPU run with those settings keeps the
-        # CPU's unfused `mlp` (+2f/t) and `rope` (+4d) terms below as well. Enable the fusions
-        # on CUDA there, or set `unfused = True` here for such runs.
+        # transformer_config_from_args (megatron/training/model_flags.py) turns the fusions on
+        # on CUDA as upstream does; a GPU run with --no-bias-swiglu-fusion / --no-rope-fusion
+        # keeps the CPU's unfused `mlp` (+2f/t) and `rope` (+4d) terms below as well.
         cpu = self.cluster.gpu.name.startswith("cpu")
         unfused = cpu
 

@@ -4,7 +4,10 @@ The only choice made here is which kernels back the layers: transformer-engine's
 imports and CUDA is present (THD, CP and sequence parallel handled by TE), otherwise the
 local megatron-core spec with two substitutions that make it complete on the CPU: our
 document-masked, CP-aware core attention and a torch norm that marks its parameters for
-sequence parallelism (so finalize_model_grads sums their gradients over TP).
+sequence parallelism (so finalize_model_grads sums their gradients over TP). The torch
+norm also does megatron-core's zero-centred gamma (`layernorm_zero_centered_gamma`,
+`--apply-layernorm-1p`: weight stored as gamma - 1, initialised to 0), and `--qk-layernorm`
+gets the same norm over each head's dims.
 """
 from __future__ import annotations
 
@@ -26,20 +29,62 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm scaling by (1 + weight); the weight starts at 0 (megatron-core's zero-centred gamma)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm scaling by (1 + weight); the weight starts at 0, the bias at 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+_NORMS = {("RMSNorm", False): torch.nn.RMSNorm, ("RMSNorm", True): ZeroCenteredRMSNorm,
+          ("LayerNorm", False): torch.nn.LayerNorm, ("LayerNorm", True): ZeroCenteredLayerNorm}
+
+
+def _torch_norm(config, hidden_size: int, eps: float):
+    # on a GPU without transformer-engine the rest of the model is built on the device
+    device = None if config.use_cpu_initialization else torch.cuda.current_device()
+    kind = _NORMS.get((config.normalization, bool(config.layernorm_zero_centered_gamma)))
+    if kind is None:
+        raise ValueError(f"unsupported --normalization {config.normalization!r}: use LayerNorm or RMSNorm")
+    return kind(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
+
+
 class TorchNorm:
     """LayerNorm/RMSNorm from torch whose parameters carry the `sequence_parallel` flag."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
-        # on a GPU without transformer-engine the rest of the model is built on the device
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
-        elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
-        else:
-            raise ValueError(f"unsupported --normalization {config.normalization!r}: use LayerNorm or RMSNorm")
+        norm = _torch_norm(config, hidden_size, eps)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class QKNorm:
+    """The norm of --qk-layernorm, over one head's dims. Each TP rank normalises its own heads,
+    so its weight's gradient is a partial sum over TP: marked like a sequence-parallel norm
+    (the static path sums q/k norm gradients over TP by name; the --dcp runtime pushes every
+    TP rank's share of marked parameters)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = _torch_norm(config, hidden_size, eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
         return norm
 
 
@@ -50,14 +95,18 @@ def layer_spec(config, use_te: Optional[bool] = None):
     if use_te is None:
         use_te = transformer_engine_usable()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
     from dcp_ext.attention import DocumentCausalAttention
 
-    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization))
+    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                         qk_layernorm=bool(config.qk_layernorm)))
     sub = spec.submodules
     sub.input_layernorm = TorchNorm
     sub.pre_mlp_layernorm = TorchNorm
     sub.self_attention.submodules.core_attention = DocumentCausalAttention
+    if config.qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = QKNorm
+        sub.self_attention.submodules.k_layernorm = QKNorm
     return spec
 
 
@@ -86,6 +135,7 @@ def build_gpt_model(
     share_embeddings_and_output_weights: bool = True,
     rotary_base: int = 10000,
     use_te: Optional[bool] = None,
+    rotary_percent: float = 1.0,
 ):
     from megatron.core.models.gpt import GPTModel
 
@@ -107,5 +157,6 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
         pg_collection=pg_collection,
     )

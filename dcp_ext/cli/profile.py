@@ -152,15 +152,17 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
     args = job.args
     tp, cp, pp = rep.tp, rep.cp, rep.pp
     sp = bool(args.sequence_parallel) and tp > 1
+    # as under --dcp: the fused loss takes the replica's TP group (the unfused one reads a global one)
     config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                          pipeline_model_parallel_size=pp, sequence_parallel=sp)
+                                          pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                                          cross_entropy_loss_fusion=True)
     tp_rank, cp_rank, pp_rank = rep.coords(rank)
     seed_rng_tracker(job.seed, 0, tp_rank)  # before the build: GPU init draws from it
     model = build_gpt_model(config, args.padded_vocab_size, args.max_position_embeddings, pp_rank == 0,
                             pp_rank == pp - 1, pg_collection=registry.collection(rep),
                             position_embedding_type=args.position_embedding_type,
                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                            rotary_base=args.rotary_base)
+                            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if device is not None:
         model = model.to(device)  # dcp_ext.model's torch norms are built on the CPU even with CUDA (no TE)
     runner = StageRunner(model, config, rep, rank, config.num_layers)

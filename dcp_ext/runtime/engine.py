@@ -119,6 +119,7 @@ class AdaptiveEngine:
         self.num_layers = full_config.num_layers
         self.gated = bool(full_config.gated_linear_unit)
         self.param_dtype = full_config.params_dtype or torch.float32
+        self.norm_init = 0.0 if getattr(full_config, "layernorm_zero_centered_gamma", False) else 1.0
         single = self.single_rank_collection()
         with torch.device("meta"):
             full = build_model(full_config, True, True, single)
@@ -257,7 +258,7 @@ class AdaptiveEngine:
                 for c in range((lo - t.offset) // INIT_CHUNK, (hi - 1 - t.offset) // INIT_CHUNK + 1):
                     c0 = t.offset + c * INIT_CHUNK
                     values = init_values(t.name, c, min(INIT_CHUNK, t.offset + t.numel - c0), seed, std,
-                                         self.num_layers)
+                                         self.num_layers, norm_init=self.norm_init)
                     a, b = max(lo, c0), min(hi, c0 + values.numel())
                     shard[piece.offset + a - piece.start : piece.offset + b - piece.start] = values[a - c0 : b - c0]
         return shard
@@ -514,13 +515,15 @@ def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:
     tracker.add("expert-parallel-rng", base + 1024 + tp_rank)
 
 
-def init_values(name: str, chunk: int, numel: int, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """Megatron's defaults: norms 1, biases 0, output projections N(0, std/sqrt(2L)), else N(0,
-    std); drawn per chunk of a tensor from a stream seeded by (seed, name, chunk)."""
+def init_values(name: str, chunk: int, numel: int, seed: int, std: float, num_layers: int,
+                norm_init: float = 1.0) -> torch.Tensor:
+    """Megatron's defaults: norms 1 (0 when zero-centred, --apply-layernorm-1p), biases 0, output
+    projections N(0, std/sqrt(2L)), else N(0, std); drawn per chunk of a tensor from a stream
+    seeded by (seed, name, chunk)."""
     if name.endswith(".bias"):
         return torch.zeros(numel)
     if "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_norm_weight"):
-        return torch.ones(numel)
+        return torch.full((numel,), norm_init)
     scaled = name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight")
     sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * chunk) % 2**63)

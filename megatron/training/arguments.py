@@ -172,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
-
+    from megatron.training.model_flags import add_model_flags
     from megatron.training.upstream_flags import add_upstream_flags
 
+    add_model_flags(p)
     add_upstream_flags(p)  # last: upstream's flags we do not define, refused or accepted with a reason
     return allow_negative_numbers(p)
 
@@ -465,6 +466,9 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_ranges(args)
+    from megatron.training.model_flags import check_model_flags
+
+    check_model_flags(args)  # before the relations below: it turns --sequence-parallel off at TP1, as upstream
     need(args.min_lr <= args.lr, f"--min-lr {_show(args.min_lr)} is above --lr {_show(args.lr)}: the decay would raise it")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     need(min(tp, pp, cp) >= 1, "parallel sizes must be >= 1")

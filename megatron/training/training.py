@@ -71,21 +71,16 @@ def transformer_config_from_args(args, **overrides):
         params_dtype=dtype_of(args),
         pipeline_dtype=dtype_of(args),
         use_cpu_initialization=not torch.cuda.is_available(),
-        calculate_per_token_loss=True,
-        # The fused native loss takes the TP group from the model, never a global one.
-        cross_entropy_loss_fusion=True,
-        cross_entropy_fusion_impl="native",
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         # Packed (THD) micro-batches vary in length: pipeline stages exchange shapes first.
         variable_seq_lengths=bool(args.reset_attention_mask or args.dcp),
         moe_token_dispatcher_type="alltoall",
         deterministic_mode=not torch.cuda.is_available(),
         **recompute,
     )
+    from megatron.training.model_flags import config_fields
+
+    # attention backend, fusions, loss kernel, zero-centred norms, qk norms, fp8
+    kwargs.update(config_fields(args))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -246,6 +241,10 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
 
     announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
     preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
+    from megatron.training.model_flags import startup_notes
+
+    for note in startup_notes(args):  # what the model/kernel/precision flags do on this machine
+        print_rank_0(f"> {note}")
     global_vars.build_tokenizer(args)
     if args.dcp:
         from megatron.training.training_dcp import train_adaptive
