@@ -1,6 +1,6 @@
 """Every option of upstream Megatron-LM's pretrain_gpt.py parses here and ends as exactly one of:
 honoured (our parser defines it), refused with one line naming it, or accepted without effect.
-Checked against upstream's own flag list (/work/shared/upstream), which the product never reads."""
+Checked against upstream's own flag list (tests/data/upstream), which the product never reads."""
 import csv
 import glob
 import os
@@ -12,9 +12,8 @@ from megatron.training import upstream_flags as uf
 from megatron.training.arguments import ArgumentError, build_parser, parse_args, parse_flags
 from megatron.training.upstream_flag_table import FAMILIES, HARMLESS_VALUES, ROWS
 
-UPSTREAM = os.environ.get("UPSTREAM_FLAGS_DIR", os.path.join(os.path.dirname(REPO), "shared", "upstream"))
+UPSTREAM = os.path.join(REPO, "tests", "data", "upstream")  # a copy of the workplace's shared/upstream
 TSV = os.path.join(UPSTREAM, "megatron_flags.tsv")
-pytestmark = pytest.mark.skipif(not os.path.isfile(TSV), reason=f"upstream's flag list not found ({TSV})")
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1"]
