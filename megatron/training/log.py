@@ -145,12 +145,13 @@ class TrainingLogger:
 
 def _learning_rates(scheduler, optimizer):
     """(lr, decoupled lr or None): the first ordinary param group's LR, and the embedding/output
-    layer's under --decoupled-lr (megatron-core marks that group `is_decoupled_lr`)."""
+    layer's under --decoupled-lr (megatron-core marks a group with its own LR schedule
+    `default_config: False`; older versions `is_decoupled_lr`)."""
     if not hasattr(scheduler, "get_lr"):
         return float("nan"), None
     lr = decoupled = None
     for group in optimizer.param_groups:
-        if group.get("is_decoupled_lr"):
+        if group.get("is_decoupled_lr") or group.get("default_config") is False:
             decoupled = decoupled if decoupled is not None else scheduler.get_lr(group)
         elif lr is None:
             lr = scheduler.get_lr(group)

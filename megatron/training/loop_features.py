@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from megatron.training.initialize import print_rank_0
+from megatron.training.initialize import print_rank_0, print_rank_last
 
 
 def process_start_time() -> float:
@@ -95,8 +95,13 @@ class LoopFeatures:
             return
         names = ["adaptive-step"] if self.adaptive else [
             "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send",
-            "backward-recv", "backward-send", "all-grads-sync", "params-all-gather", "optimizer"]
-        self.timers.log([n for n in names if n in self.timers._timers], normalizer=self.args.log_interval)
+            "backward-recv", "backward-send", "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
+            "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",
+            "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer"]
+        # collective (every rank passes the same names); megatron-core's Timers.log goes to a logger
+        text = self.timers.get_all_timers_string(names, normalizer=self.args.log_interval, reset=True)
+        if text:
+            print_rank_last(text)
 
     # ---- per iteration ---------------------------------------------------------------------
     def begin_iteration(self, iteration: int) -> None:

@@ -296,16 +296,15 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
     if not forward_only:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    with features.timer("forward-backward") if features else nullcontext():
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=[model],
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=forward_only,
-        )
+    losses = get_forward_backward_func()(  # times 'forward-backward' itself (config.timers)
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
     update_successful, grad_norm = True, None
     if not forward_only:
         with features.timer("optimizer") if features else nullcontext():
