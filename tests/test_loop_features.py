@@ -230,7 +230,9 @@ def test_sigterm_to_the_ranks_saves_and_resumes_exactly(text_corpus, tmp_path):
     data = ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache")]
     flags = TINY_MODEL + STATIC + data + ["--tensor-model-parallel-size", "2"]
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "first.jsonl")
-    proc, out = _start(flags + ["--train-iters", "100000", "--save", save, "--exit-signal-handler",
+    # one --train-iters for all three runs: the static dataset's sample order depends on it
+    flags += ["--train-iters", "200"]
+    proc, out = _start(flags + ["--save", save, "--exit-signal-handler",
                                 "--loss-log", log], 2, tmp_path / "first.out")
     try:
         _wait_for_lines(log, 2, proc)
@@ -247,9 +249,10 @@ def test_sigterm_to_the_ranks_saves_and_resumes_exactly(text_corpus, tmp_path):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == str(stopped)
     # the checkpoint is complete: it resumes, and the resumed losses are an unbroken run's
     resumed, full = str(tmp_path / "resumed.jsonl"), str(tmp_path / "full.jsonl")
-    r = launch(flags + ["--train-iters", str(stopped + 2), "--load", save, "--loss-log", resumed], nproc=2)
+    stop = ["--exit-interval", str(stopped + 2)]
+    r = launch(flags + stop + ["--load", save, "--loss-log", resumed], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(flags + ["--train-iters", str(stopped + 2), "--loss-log", full], nproc=2)
+    r = launch(flags + stop + ["--loss-log", full], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = read_loss_log(resumed), read_loss_log(full)[stopped:]
     assert [x["iteration"] for x in got] == [stopped + 1, stopped + 2]
@@ -278,6 +281,7 @@ def test_sigterm_to_torchrun_under_dcp_saves_a_complete_checkpoint(text_corpus, 
     first = read_loss_log(log)
     assert first[1]["lr"] == pytest.approx(expected_lr(8, lr=1e-3, min_lr=1e-4, warmup=0, decay=400000), rel=1e-9)
     resumed = str(tmp_path / "resumed.jsonl")
-    r = launch(flags + ["--train-samples", str(4 * (stopped + 1)), "--load", save, "--loss-log", resumed], nproc=2)
+    r = launch(flags + ["--train-samples", "400000", "--exit-interval", str(stopped + 1), "--load", save,
+                        "--loss-log", resumed], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["iteration"] for x in read_loss_log(resumed)] == [stopped + 1]
