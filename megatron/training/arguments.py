@@ -14,6 +14,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from megatron.training import loop_flags
+
 
 class ArgumentError(ValueError):
     """An invalid flag or combination; the message is one line that names the fix."""
@@ -143,7 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
-    g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
     g = p.add_argument_group("logging")
@@ -155,7 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
     g.add_argument("--log-timers-to-tensorboard", action="store_true", help="also write 'iteration-time'")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--log-throughput", action="store_true", help="accepted for compatibility; always logged")
     g.add_argument("--loss-log", type=str, default=None,
                    help="append each iteration's exact loss, grad norm and lr as JSON lines (last rank)")
 
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.model_flags import add_model_flags
     from megatron.training.upstream_flags import add_upstream_flags
 
+    loop_flags.add_loop_flags(p)  # the training loop's and checkpoints' upstream flags
     add_model_flags(p)
     add_upstream_flags(p)  # last: upstream's flags we do not define, refused or accepted with a reason
     return allow_negative_numbers(p)
@@ -288,8 +289,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = world_size_from_env(os.environ)
     args.world_size = world_size
+    loop_flags.apply_checkpoint_args(args)  # --use-checkpoint-args: model flags from --load's checkpoint
     check_ranges(args)  # before the derived values are computed from them (int(nan) would raise)
+    loop_flags.check_schedule_forms(args)  # --train-samples vs --train-iters forms
     fill_derived(args)
+    loop_flags.fill_loop_derived(args)  # train iterations from --train-samples
     validate_args(args)
     return args
 
@@ -463,8 +467,9 @@ def validate_args(args: argparse.Namespace) -> None:
     from megatron.training.upstream_flags import check_upstream_flags
 
     check_upstream_flags(args)  # first: a refused upstream flag is the answer, whatever else the line holds
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters", "lr"):
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    need(args.train_iters is not None, "--train-iters (or --train-samples) is required")
     check_ranges(args)
     from megatron.training.model_flags import check_model_flags
 
@@ -539,8 +544,7 @@ def validate_args(args: argparse.Namespace) -> None:
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
         args.num_microbatches = None
-    if args.save_interval is not None:
-        need(args.save is not None, "--save-interval needs --save DIR")
+    if args.save_interval is not None:  # without --save it saves nothing (upstream's leniency)
         need(args.save_interval > 0, "--save-interval must be > 0")
     need(args.demo_corpus or args.mock_data or args.data_path, "--data-path is required (or --mock-data / --demo-corpus)")
     if args.recompute_granularity == "full":
@@ -560,5 +564,7 @@ def validate_args(args: argparse.Namespace) -> None:
          "--tensorboard-log-interval and --tensorboard-queue-size must be > 0")
     need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")
     if args.lr_decay_style == "WSD":
-        need(args.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        need(args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
+             "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)")
+    loop_flags.validate_loop_flags(args)
     check_files(args)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from dcp_ext import mcore_compat
 from megatron.training.initialize import print_rank_0
+from megatron.training.loop_features import check_saved_parts
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -306,10 +307,12 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         "consumed_train_samples": consumed_samples,
         "layout": _layout_signature(args),
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA),
-        "opt_param_scheduler": scheduler.state_dict(),
-        "rng_state": _rng_sharded_object(),
     }
+    if not getattr(args, "no_save_optim", False):  # upstream: neither optimizer nor LR schedule
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not getattr(args, "no_save_rng", False):
+        state["rng_state"] = _rng_sharded_object()
     save_sharded_atomic(args.save, iteration, state)
 
 
@@ -492,6 +495,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         hint = f"--make-vocab-size-divisible-by {saved_vocab // tp}" if saved_vocab % tp == 0 else "the saved padding"
         raise CheckpointError(f"{path}: vocabulary padded to {saved_vocab} rows, this run pads to "
                               f"{args.padded_vocab_size}: a different model; use {hint}")
+    check_saved_parts(args, common, path)  # --no-save-optim/--no-save-rng checkpoints need --no-load-*
     same_layout = tuple(common.get("layout", ())) == _layout_signature(args)
     model_sd = unwrap(model).sharded_state_dict()
     request = {"model": model_sd}

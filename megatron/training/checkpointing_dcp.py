@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.training import checkpointing as ckpt
 from megatron.training.initialize import print_rank_0
+from megatron.training.loop_features import check_saved_parts
 
 FORMAT = "dcp-fixed-sharding/v1"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -49,12 +50,13 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
 def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
     avg, avg_sq, step = engine.optimizer.moments()
     shards = {"param": engine.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
+    kinds = ("param",) if getattr(args, "no_save_optim", False) else KINDS  # weights only
     state = {}
     # tensor by tensor onto the rank that owns its first element: no rank ever holds the
     # whole model (a 7B model's master and moments are 84 GB)
     for t in engine.space.tensors.values():
         writer = engine.sharding.owner_of(t.offset)
-        for kind in KINDS:
+        for kind in kinds:
             value = engine.gather_tensor(shards[kind], t, writer)
             if value is not None:
                 state[_key(kind, t.name)] = _sharded(_key(kind, t.name), value.cpu(), replica_id=0)
@@ -66,10 +68,11 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "adam_step": step,
-        "opt_param_scheduler": scheduler.state_dict(),
         "planner_state": planner_state,
         "canonical": [(t.name, list(t.shape)) for t in engine.space.tensors.values()],
     })
+    if kinds == KINDS:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     ckpt.save_sharded_atomic(args.save, iteration, state)
 
 
@@ -87,6 +90,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if saved != ours:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
+    check_saved_parts(args, common, path)
     sharding = engine.sharding
     kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
     shard = {kind: torch.zeros(sharding.shard_numel(engine.rank)) for kind in kinds}

@@ -28,6 +28,11 @@ class TrainingLogger:
         self.writer = None
         self.consumed_samples = 0
         self.last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        self.wandb = None
+        if getattr(args, "wandb_project", None) and self.last_rank:
+            import wandb  # validate_args checked it imports; LoopFeatures opened the run
+
+            self.wandb = wandb
         if args.tensorboard_dir and self.last_rank:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -70,21 +75,22 @@ class TrainingLogger:
         self.window_time += elapsed_s
         self.window_iters += 1
         self.window_flops += iteration_flops
-        lr = scheduler.get_lr(optimizer.param_groups[0]) if hasattr(scheduler, "get_lr") else float("nan")
+        lr, decoupled_lr = _learning_rates(scheduler, optimizer)
         loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
         if self.args.loss_log and self.last_rank:
             record = {"iteration": iteration, "lm loss": loss, "grad norm": grad_norm, "lr": lr,
                       "consumed samples": consumed_samples, "skipped": not update_successful,
-                      "loss scale": loss_scale, **(record or {})}
+                      "loss scale": loss_scale, **({"decoupled lr": decoupled_lr} if decoupled_lr is not None else {}),
+                      **(record or {})}
             with open(self.args.loss_log, "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.consumed_samples = consumed_samples
-        if self.writer is not None and iteration % self.args.tensorboard_log_interval == 0:
+        if (self.writer is not None or self.wandb is not None) and iteration % self.args.tensorboard_log_interval == 0:
             scalars = {"learning-rate": lr, "batch-size": global_batch_size, **losses, "loss-scale": loss_scale}
             if grad_norm is not None:
                 scalars["grad-norm"] = grad_norm
             self._scalars(scalars, iteration, consumed_samples)
-            if self.args.log_timers_to_tensorboard:
+            if self.args.log_timers_to_tensorboard and self.writer is not None:
                 self.writer.add_scalar("iteration-time", elapsed_s, iteration)
         if iteration % self.args.log_interval != 0:
             return
@@ -96,9 +102,10 @@ class TrainingLogger:
             f" iteration {iteration:8d}/{self.args.train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {ms:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |"
-            f" learning rate: {lr:.6E} |"
-            f" global batch size: {global_batch_size:5d} |"
+            + (f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |" if self.args.log_throughput else "")
+            + f" learning rate: {lr:.6E} |"
+            + (f" decoupled learning rate: {decoupled_lr:.6E} |" if decoupled_lr is not None else "")
+            + f" global batch size: {global_batch_size:5d} |"
             f" lm loss: {loss:.6E} |"
             f" loss scale: {loss_scale:.1f} |"
             f" grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
@@ -114,7 +121,7 @@ class TrainingLogger:
         print_rank_last(
             f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         )
-        if self.writer is not None:
+        if self.writer is not None or self.wandb is not None:
             scalars = {"lm loss validation": loss}
             if self.args.log_validation_ppl_to_tensorboard:
                 scalars["lm loss validation ppl"] = ppl
@@ -123,12 +130,29 @@ class TrainingLogger:
     def _scalars(self, scalars: dict, iteration: int, consumed_samples: int) -> None:
         """Each value against the iteration and, as '<tag> vs samples', against the
         samples consumed (Megatron's TensorBoard tags)."""
-        for tag, value in scalars.items():
+        for tag, value in scalars.items() if self.writer is not None else ():
             self.writer.add_scalar(tag, value, iteration)
             self.writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
+        if self.wandb is not None:  # --wandb-project: the same scalars
+            self.wandb.log(scalars, step=iteration)
 
     def close(self):
         if self.writer is not None:
             self.writer.close()
 
 
+
+
+def _learning_rates(scheduler, optimizer):
+    """(lr, decoupled lr or None): the first ordinary param group's LR, and the embedding/output
+    layer's under --decoupled-lr (megatron-core marks a group with its own LR schedule
+    `default_config: False`; older versions `is_decoupled_lr`)."""
+    if not hasattr(scheduler, "get_lr"):
+        return float("nan"), None
+    lr = decoupled = None
+    for group in optimizer.param_groups:
+        if group.get("is_decoupled_lr") or group.get("default_config") is False:
+            decoupled = decoupled if decoupled is not None else scheduler.get_lr(group)
+        elif lr is None:
+            lr = scheduler.get_lr(group)
+    return (lr if lr is not None else float("nan")), decoupled

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing, global_vars, preflight
+from megatron.training import checkpointing, global_vars, loop_flags, preflight
+from megatron.training.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
     initialize_distributed,
@@ -25,6 +27,7 @@ from megatron.training.initialize import (
     print_rank_last,
     set_random_seed,
 )
+from megatron.training.data_workers import WorkerBatches
 from megatron.training.log import TrainingLogger
 
 
@@ -107,26 +110,26 @@ def optimizer_config_from_args(args):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
     )
 
 
 def build_lr_scheduler(args, optimizer):
-    """Megatron's OptimizerParamScheduler, stepped once per iteration."""
+    """Megatron's OptimizerParamScheduler, stepped once per iteration by `args.lr_step_increment`
+    (1, or the global batch's samples under --train-samples: the schedule then counts samples)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        init_lr=0.0 if loop_flags.scheduler_steps(args)["lr_warmup_steps"] else args.lr,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(args.lr_decay_iters or 1, 1),
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=max(args.train_iters, 1),
         wd_incr_style="constant",
-        wsd_decay_steps=args.lr_wsd_decay_iters,
+        **loop_flags.scheduler_steps(args),
         lr_wsd_decay_style="exponential" if args.lr_decay_style == "WSD" else None,
     )
 
@@ -164,6 +167,15 @@ def build_model_and_optimizer(args, model_provider: Callable):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     return model, optimizer, config
+
+
+def attach_timers(config, optimizer, timers) -> None:
+    """--timing-log-level: megatron-core's schedules and optimizer time themselves through these."""
+    if timers is None:
+        return
+    config.timers = timers
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt.config.timers = timers
 
 
 def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True) -> None:
@@ -279,14 +291,14 @@ def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int,
 
 
 def train_step(args, model, optimizer, scheduler, config, forward_step_func, data_iterator, num_microbatches,
-               seq_length: int, forward_only: bool = False):
+               seq_length: int, forward_only: bool = False, features: Optional[LoopFeatures] = None):
     """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    losses = get_forward_backward_func()(  # times 'forward-backward' itself (config.timers)
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=[model],
@@ -297,9 +309,10 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
     )
     update_successful, grad_norm = True, None
     if not forward_only:
-        update_successful, grad_norm, _ = optimizer.step()
+        with features.timer("optimizer") if features else nullcontext():
+            update_successful, grad_norm, _ = optimizer.step()
         if update_successful:
-            scheduler.step(increment=1)
+            scheduler.step(increment=args.lr_step_increment)
     return reduce_losses(losses), update_successful, grad_norm
 
 
@@ -345,12 +358,17 @@ def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds
     history = []
     nan_streak = 0
     model.train()
+    features = LoopFeatures(args)
+    attach_timers(config, optimizer, features.timers)
+    workers = WorkerBatches(train_ds, consumed_samples, args, dp_rank, dp_size, collate) if args.num_workers else None
     while iteration < args.train_iters:
+        features.begin_iteration(iteration)
         start = time.perf_counter()
-        batches = list(micro_batches(train_ds, consumed_samples, args, dp_rank, dp_size, collate))
+        batches = workers.next_global_batch() if workers else list(
+            micro_batches(train_ds, consumed_samples, args, dp_rank, dp_size, collate))
         losses, ok, grad_norm = train_step(
             args, model, optimizer, scheduler, config, forward_step_func, iter(batches),
-            args.num_microbatches, args.seq_length,
+            args.num_microbatches, args.seq_length, features=features,
         )
         loss = losses["lm loss"]
         if not math.isfinite(loss):
@@ -374,13 +392,21 @@ def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds
             flops.item(), args.global_batch_size,
         )
         history.append((iteration, loss))
+        features.end_iteration(iteration)
         if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+            features.eval_boundary()
             evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds,
                              iteration, collate, dp_rank, dp_size, logger)
+            features.eval_boundary()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
+        if features.should_exit(iteration):  # exit signal or duration: the save below, then exit 0
+            break
+    features.finish()
+    if workers:
+        workers.close()
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
     return history

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.training import checkpointing_dcp
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.log import TrainingLogger
+from megatron.training.loop_features import LoopFeatures
 
 
 def cluster_for(world_size: int):
@@ -195,7 +196,9 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     upcoming = None
     window_layouts = Counter()
     start_iteration, planner_state = iteration, planner.state_dict()
+    features = LoopFeatures(args, adaptive=True)
     while iteration < args.train_iters:
+        features.begin_iteration(iteration)
         start = time.perf_counter()
         batch = stream.next()
         it, plan_s = upcoming.result() if upcoming is not None else plan(iteration, batch)
@@ -215,10 +218,11 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
             from megatron.training.training import TrainingError
 
             raise TrainingError(no_loss_tokens_message(args, iteration + 1, train_ds, batch))
-        result = engine.step(it, batches, loss_tokens)
+        with features.timer("adaptive-step"):
+            result = engine.step(it, batches, loss_tokens)
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
-            scheduler.step(increment=1)
+            scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
         overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
         nan_streak = 0 if (ok or overflow) else nan_streak + 1
         if nan_streak >= args.max_nan_iterations:
@@ -244,9 +248,12 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                                      "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
                                      "layout": summary})
         history.append((iteration, result.loss))
+        features.end_iteration(iteration)
         if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+            features.eval_boundary()
             loss = evaluate(args, engine, eval_planner, valid_ds)
             logger.log_validation(iteration, loss)
+            features.eval_boundary()
         if args.dcp_log_plan and dist.get_rank() == 0:
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
@@ -254,6 +261,9 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
             checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler, planner_state)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
+        if features.should_exit(iteration):  # exit signal or duration: the save below, then exit 0
+            break
+    features.finish()
     planning.shutdown(wait=True)
     just_saved = args.save_interval and iteration % args.save_interval == 0
     if args.save and iteration > start_iteration and not just_saved:
