@@ -49,7 +49,7 @@ def test_yaml_keys_are_flag_names_and_command_line_wins(tmp_path):
         (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
         (["--no-such-flag"], 1, "unknown flag --no-such-flag"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-        (["--dcp"], 1, "--dcp needs --dcp-global-batch-tokens"),
+        (["--dcp", "--dcp-global-batch-tokens", "0"], 1, "--dcp-global-batch-tokens 0 must be >= 1"),
         (["--save-interval", "5"], 1, "--save-interval needs --save DIR"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),
         (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"),

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("adaptive parallelism (this fork)")
     g.add_argument("--dcp", action="store_true", help="plan the layout per iteration from the data")
     g.add_argument("--dcp-planner", choices=["adaptive", "static", "dynamic-cp", "dcp", "hydraulis"], default="adaptive")
-    g.add_argument("--dcp-global-batch-tokens", type=int, default=None)
+    g.add_argument("--dcp-global-batch-tokens", type=int, default=None,
+                   help="tokens per global batch (default: --global-batch-size x --seq-length)")
     g.add_argument("--dcp-max-seq-len", type=int, default=None, help="default: --seq-length")
     g.add_argument("--dcp-split-long-documents", action="store_true",
                    help="split documents longer than --dcp-max-seq-len into chunks instead of truncating")
@@ -516,8 +517,10 @@ def validate_args(args: argparse.Namespace) -> None:
         )
         args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     else:
-        need(args.dcp_global_batch_tokens is not None and args.dcp_global_batch_tokens > 0,
-             "--dcp needs --dcp-global-batch-tokens (tokens per global batch)")
+        if args.dcp_global_batch_tokens is None:  # the static line's batch, in tokens
+            need(args.global_batch_size is not None, "--dcp needs --dcp-global-batch-tokens or --global-batch-size")
+            args.dcp_global_batch_tokens = args.global_batch_size * args.seq_length
+        need(args.dcp_global_batch_tokens > 0, "--dcp-global-batch-tokens must be > 0 (tokens per global batch)")
         need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
