@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-cost-profile", type=str, default=None, help="profile written by dcp-profile")
     g.add_argument("--dcp-memory-margin", type=float, default=0.1)
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
+    g.add_argument("--dcp-device-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s of one device, for a GPU the planner's table does not know")
+    g.add_argument("--dcp-device-memory-gb", type=float, default=None,
+                   help="memory of one device in GiB (default: what torch reports for the device)")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
     return allow_negative_numbers(p)
@@ -382,7 +386,7 @@ RANGES = {
         "lr", "min_lr", "weight_decay", "clip_grad")},
     **{name: _POSITIVE for name in (
         "norm_epsilon", "init_method_std", "adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale",
-        "loss_scale_window")},
+        "loss_scale_window", "dcp_device_tflops", "dcp_device_memory_gb")},
     **{name: _UNIT for name in ("adam_beta1", "adam_beta2", "sgd_momentum", "hidden_dropout", "attention_dropout")},
     "lr_warmup_fraction": (0, True, 1, True),
 }
