@@ -119,7 +119,7 @@ def static_layout_line(args, planner) -> str:
         where = "is in" if entry is not None and entry in pool.layouts else "is not in"
         why = "" if where == "is in" else (" (hydraulis has no context parallelism)" if cp > 1 and
                                            args.dcp_planner == "hydraulis" else " (it does not fit beside the pool)")
-        return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{"s" if n != 1 else ""}, --dcp-candidates {args.dcp_candidates})"
+        return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{'s' if n != 1 else ''}, --dcp-candidates {args.dcp_candidates})"
     if args.dcp_planner == "static":
         return f"dcp: {what} is the static planner's layout ({planner.describe()})"
     return (f"dcp: {what} is not used by planner {args.dcp_planner}, which picks its own tp/pp and sizes CP per "
