@@ -447,6 +447,28 @@ def check_files(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--dcp-cost-profile {args.dcp_cost_profile}: {problem}")
 
 
+# Optimizer features the --dcp fixed sharding cannot run (read with getattr: the flags may
+# come from upstream's parser); everything else of the optimizer is honoured there.
+DCP_REFUSED_OPTIMIZER_SWITCHES = ("optimizer_cpu_offload", "use_precision_aware_optimizer", "optimizer_cuda_graph",
+                                  "overlap_param_gather_with_optimizer_step", "use_torch_optimizer_for_cpu_offload")
+
+
+def check_dcp_optimizer(args: argparse.Namespace) -> None:
+    if args.optimizer not in ("adam", "sgd"):
+        raise ArgumentError(f"--optimizer {args.optimizer} is not supported with --dcp (its fixed optimizer sharding "
+                            "runs adam or sgd): use --optimizer adam or sgd, or drop --dcp")
+    for dest in DCP_REFUSED_OPTIMIZER_SWITCHES:
+        if getattr(args, dest, False):
+            raise ArgumentError(f"{_flag(dest)} is not supported with --dcp (the optimizer state is one fixed sharding "
+                                "over all ranks, in fp32 on the device): drop it or drop --dcp")
+    if getattr(args, "no_weight_decay_cond_type", None):
+        raise ArgumentError(f"--no-weight-decay-cond-type {args.no_weight_decay_cond_type} is not supported with "
+                            "--dcp (biases and 1-D parameters skip weight decay, megatron-core's default): drop it")
+    dec, dec_min = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    if dec_min is not None and dec is not None and dec_min > dec:
+        raise ArgumentError(f"--decoupled-min-lr {_show(dec_min)} is above --decoupled-lr {_show(dec)}")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """The whole configuration, in one place: required flags, ranges, YAML types (at load),
     relations between flags, and the syntax of input files named by flags."""
@@ -528,6 +550,7 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
+        check_dcp_optimizer(args)
         args.num_microbatches = None
     if args.save_interval is not None:
         need(args.save is not None, "--save-interval needs --save DIR")

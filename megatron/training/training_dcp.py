@@ -126,6 +126,18 @@ def static_layout_line(args, planner) -> str:
             f"sequence ({planner.describe()})")
 
 
+def optimizer_options_for(args):
+    """Every optimizer flag for the fixed sharding's optimizer (--decoupled-lr/--decoupled-min-lr
+    read by getattr: older parsers do not have them)."""
+    from dcp_ext.runtime.sharded_optimizer import OptimizerOptions
+
+    return OptimizerOptions(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+                            decoupled_lr=getattr(args, "decoupled_lr", None),
+                            decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
+
+
 def build_planner(args, train_ds, cluster=None):
     from dcp_ext.planner import make_planner
     from dcp_ext.planners.common import PlanningError
@@ -227,8 +239,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                                            pipeline_model_parallel_size=pp, sequence_parallel=sp),
         lambda config, pre, post, pg: model_provider(config, pre_process=pre, post_process=post, pg_collection=pg),
         sequence_parallel=args.sequence_parallel,
-        lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps, clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
+        lr=args.lr, weight_decay=args.weight_decay, optimizer_options=optimizer_options_for(args),
+        init_seed=args.seed, init_std=args.init_method_std,
         exchange=args.dcp_exchange, overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
         bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
