@@ -265,3 +265,13 @@ def test_mock_data_trains_on_both_paths(path, tmp_path):
         assert tokens and all(8 * 128 - 128 < t <= 8 * 128 for t in tokens), tokens  # gbs x seq by default
         sizes = [int(n) for n in re.findall(r"global batch size:\s+(\d+)", r.stdout)]
         assert len(set(sizes)) > 1  # documents of many lengths: the sample count varies
+
+
+def test_gpu_launch_scripts_export_one_cuda_connection_and_the_cpu_one_does_not():
+    def exports(path):
+        with open(os.path.join(REPO, path)) as f:
+            return re.search(r"^export CUDA_DEVICE_MAX_CONNECTIONS=1$", f.read(), re.M) is not None
+
+    for gpu in ("examples/train_llama2_7b.sh", "examples/slurm_llama2_7b.sbatch", "scripts/gpu_check.sh"):
+        assert exports(gpu), gpu
+    assert not exports("examples/train_gpt_cpu.sh")
