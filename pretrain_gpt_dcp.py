@@ -62,6 +62,13 @@ def train_valid_test_datasets_provider(args):
         args.eval_iters * args.global_batch_size,
     )
     cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache", "index")
+    if args.mock_data:  # megatron-core's MockGPTDataset, as upstream's --mock-data
+        from dcp_ext.data.gpt_dataset import build_mock_fixed_length_datasets
+
+        return build_mock_fixed_length_datasets(
+            args.seq_length, args.seed, get_tokenizer(), num_samples, cache,
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss)
     return build_fixed_length_datasets(
         data_prefixes(args), args.split, args.seq_length, args.seed, get_tokenizer(), num_samples, cache,
         reset_position_ids=args.reset_position_ids,
@@ -75,6 +82,11 @@ def document_datasets_provider(args):
     from dcp_ext.data.documents import build_document_datasets
     from megatron.training.global_vars import get_tokenizer
 
+    if args.mock_data:  # documents with the spread of a real length distribution
+        from dcp_ext.data.mock_documents import build_mock_document_datasets
+
+        tok = get_tokenizer()
+        return build_mock_document_datasets(args.dcp_max_seq_len, tok.vocab_size, tok.eod, args.seed, args.eval_iters)
     return build_document_datasets(
         data_prefixes(args), args.split, args.seed, args.dcp_max_seq_len,
         split_long_documents=args.dcp_split_long_documents, vocab_size=get_tokenizer().vocab_size,

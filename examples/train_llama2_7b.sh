@@ -4,6 +4,11 @@
 # Add --dcp --dcp-global-batch-tokens 4194304 --dcp-max-seq-len 131072 for adaptive layouts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# megatron-core's tensor-parallel layers overlap their weight-gradient GEMM with the gradient
+# all-reduce / reduce-scatter (TP, --sequence-parallel) and its DDP overlaps bucket reduces
+# (--overlap-grad-reduce), relying on kernels being issued to the GPU in order: one hardware
+# queue (tensor_parallel/layers.py, distributed/param_and_grad_buffer.py). GPU runs only.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NUM_NODES=${NUM_NODES:-1}

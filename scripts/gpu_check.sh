@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# megatron-core's tensor-parallel layers overlap their weight-gradient GEMM with the gradient
+# all-reduce / reduce-scatter (TP, --sequence-parallel) and its DDP overlaps bucket reduces
+# (--overlap-grad-reduce), relying on kernels being issued to the GPU in order: one hardware
+# queue (tensor_parallel/layers.py, distributed/param_and_grad_buffer.py). GPU runs only.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 status=0
 step() { echo "=== $1"; shift; "$@" 2>&1 | tee -a "$OUT/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc"; [ "$rc" = 0 ] || status=1; }
 

@@ -48,7 +48,7 @@ def test_yaml_keys_are_flag_names_and_command_line_wins(tmp_path):
         (["--global-batch-size", "12"], 4, "--global-batch-size 12 is not divisible by micro-batch-size x data-parallel-size"),
         (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
         (["--no-such-flag"], 1, "unknown flag --no-such-flag"),
-        (["--dcp"], 1, "--dcp needs --dcp-global-batch-tokens"),
+        (["--dcp", "--dcp-global-batch-tokens", "0"], 1, "--dcp-global-batch-tokens 0 must be >= 1"),
         (["--ckpt-format", "torch"], 1, "this fork writes and reads torch_dist"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),
         (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"),

@@ -238,7 +238,8 @@ CASES = [
     Case("data-split-without-documents", ["--split", "969,30,1", "--eval-iters", "1", "--eval-interval", "1"],
          "split", timeout=40),
     # --dcp
-    Case("dcp-no-batch-tokens", ["--dcp", "--train-iters", "1"], "--dcp needs --dcp-global-batch-tokens", code=2),
+    Case("dcp-zero-batch-tokens", ["--dcp", "--train-iters", "1", "--dcp-global-batch-tokens", "0"],
+         "--dcp-global-batch-tokens 0 must be >= 1", code=2),
     Case("dcp-max-seq-above-batch", ["--dcp-max-seq-len", "1024", "--dcp-global-batch-tokens", "512"],
          "--dcp-max-seq-len 1024 exceeds --dcp-global-batch-tokens 512", code=2, base="dcp"),
     Case("dcp-bad-memory-margin", ["--dcp-memory-margin", "1.5"], "--dcp-memory-margin must be in [0, 1)", code=2,

@@ -346,7 +346,7 @@ def setup(argv: Sequence[str] | None = None) -> Setup:
     if cuda:
         from megatron.training.training_dcp import cluster_for  # the cluster --dcp training would assume
 
-        cluster = cluster_for(nproc)
+        cluster = cluster_for(nproc, args)
     else:
         cluster = ClusterSpec.cpu_gloo(nproc)
     cm = CostModel(ModelSpec.from_megatron_args(args, name=model_name(rest)), cluster)

@@ -203,3 +203,28 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
                             f"another --data-cache-path, and rerun ({type(e).__name__}: {str(e)[:80]})") from None
     vocab = int(tokenizer.vocab_size)
     return tuple(_checked(d, docs_by_path, vocab) for d in (train, valid, test))
+
+
+def build_mock_fixed_length_datasets(seq_length: int, seed: int, tokenizer, num_samples, cache_dir: str | None,
+                                     reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                                     eod_mask_loss: bool = False):
+    """`--mock-data` on the static path: megatron-core's MockGPTDataset (synthetic documents
+    concatenated into `seq_length` windows, as upstream Megatron's `--mock-data` trains on),
+    through the same builder. -> (train, valid, test); a split with no samples asked is None."""
+    if seq_length < 1:
+        raise DataError("--seq-length must be >= 1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+    sizes = [int(n) if n else None for n in num_samples]
+    config = GPTDatasetConfig(
+        random_seed=int(seed), sequence_length=int(seq_length), blend=None, path_to_cache=cache_dir,
+        tokenizer=tokenizer, mmap_bin_files=False, reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss, create_attention_mask=False,
+    )
+    with _process_group_for_builder():
+        return tuple(BlendedMegatronDatasetBuilder(MockGPTDataset, sizes, lambda: True, config).build())

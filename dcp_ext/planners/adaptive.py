@@ -40,6 +40,7 @@ from dcp_ext.plan import IterationPlan
 from dcp_ext.planners.base import PlannerBase
 from dcp_ext.planners.common import (
     PackedReplica,
+    canonical,
     PlanningError,
     describe,
     expand,
@@ -83,7 +84,11 @@ class AdaptivePlanner(PlannerBase):
         move_targets: int = 3,
         small_batch: int = 64,
         layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
+        static_layout: tuple[int, int, int] | None = None,
     ):
+        """static_layout (tp, cp, pp): the static baseline's layout (a Megatron line's
+        parallel sizes), world // (tp*cp*pp) replicas of it, kept in the pool whatever the
+        search finds, so the planner can always run what upstream Megatron would."""
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self.recompute = recompute
         self.top_k = top_k
@@ -135,6 +140,9 @@ class AdaptivePlanner(PlannerBase):
 
             self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb,
                                    extra_batches=extras, exact=exact)
+        self.static_entry: Counts | None = None
+        if static_layout is not None:
+            self._add_static_entry(Layout(*static_layout), max_layouts, layout_filter)
         self._charge_pool_buffers(recompute)
         self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
@@ -143,6 +151,30 @@ class AdaptivePlanner(PlannerBase):
         self._current: Counts | None = None
         self._last_index: int | None = None
         self.last_choice: dict = {}
+
+    def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
+        """The static layout's entry joins the pool (first), displacing the last entry the
+        search chose when the pool is full, never the last one that holds a max-length sequence."""
+        world = self.cluster.num_gpus
+        if world % lay.size or (layout_filter is not None and not layout_filter(lay)):
+            return  # not a layout of this planner (hydraulis has no cp): nothing to keep
+        if lay not in self.tables:
+            raise PlanningError(f"the static layout tp={lay.tp} pp={lay.pp} cp={lay.cp} cannot hold even a short "
+                                f"sequence of {self.model.name} on {self.cluster.name}: raise "
+                                "--tensor-model-parallel-size / --pipeline-model-parallel-size")
+        entry = canonical({lay: world // lay.size})
+        self.static_entry = entry
+        p = self.pool
+        others = [c for c in p.layouts if c != entry]
+
+        def holds(c):
+            return any(self.tables[l].max_doc >= self.max_seq_len for l, _ in c if l in self.tables)
+
+        while len(others) + 1 > max(1, max_layouts):
+            drop = next((i for i in range(len(others) - 1, -1, -1)
+                         if not holds(others[i]) or holds(entry) or sum(holds(c) for c in others) > 1), None)
+            others.pop(len(others) - 1 if drop is None else drop)
+        self.pool = Pool([entry] + others, p.types, np.zeros((len(others) + 1, 0)), p.dp_layouts)
 
     def _charge_pool_buffers(self, recompute: str) -> None:
         """A rank's stages share one buffer sized to the pool's largest stage: from now on
@@ -164,6 +196,8 @@ class AdaptivePlanner(PlannerBase):
             if fits and (holdable >= need or len(keep) == 1):
                 break
             biggest = max(used, key=lambda l: self.model.local_stage_params(l.tp, l.pp))
+            if self.static_entry is not None and any(l == biggest for l, _ in self.static_entry):
+                break  # the static layout sets the buffers; dropping others would not help
             rest = [i for i in keep if all(l != biggest for l, _ in self.pool.layouts[i])]
             if not rest:
                 break

@@ -9,7 +9,7 @@ Built once per run from the planner's finite set of replica types:
   buffer, sized to the largest stage; every stage's parameters and `.main_grad`s are
   views into them, and a new replica type costs no parameter memory;
 - the stage's map into the canonical space (strided runs, O(tensors));
-- the fixed optimizer sharding (ShardedAdamW) and the bucketed pull/push exchange.
+- the fixed optimizer sharding (ShardedOptimizer: AdamW or SGD) and the bucketed pull/push exchange.
 A step: pull the parameters of this iteration's stage (bucket by bucket, the next bucket
 in flight while a layer computes when overlapping), run the replica's micro-batches
 (1F1B, THD, CP), accumulate gradients in fp32 main grads, push each bucket's gradients
@@ -36,7 +36,7 @@ from dcp_ext.runtime.exchange import ParamExchange
 from dcp_ext.runtime.executor import StageRunner, localize
 from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
 from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
-from dcp_ext.runtime.sharded_optimizer import ShardedAdamW
+from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
 
 INIT_CHUNK = 1 << 20  # initial values are drawn per (tensor, chunk): a rank draws only its own
@@ -80,6 +80,11 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+# Canonical tensors megatron-core's LanguageModule marks `is_embedding_or_output_parameter`
+# (a tied output layer is the word embedding itself).
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 class AdaptiveEngine:
     def __init__(
         self,
@@ -101,8 +106,11 @@ class AdaptiveEngine:
         grad_reduce_in_bf16: bool = False,
         bucket_numel: int | None = None,
         grad_scaler=None,
+        optimizer_options: OptimizerOptions | None = None,
     ):
-        """make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
+        """optimizer_options: every optimizer flag (--optimizer, betas, momentum, decoupled LR);
+        without it, AdamW from lr/weight_decay/betas/eps/clip_grad.
+        make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
         build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage.
         device 'meta' builds every tensor without memory (scale checks)."""
         self.rank = dist.get_rank()
@@ -136,10 +144,11 @@ class AdaptiveEngine:
             self.stages[rep] = self._build_stage(rep, sequence_parallel and rep.tp > 1, make_config, build_model)
         self._all_runs = self._gather_stage_runs()
         # The fixed sharding.
-        self.optimizer = ShardedAdamW(
-            self.initial_shard(init_seed, init_std), self._decay_runs(),
-            lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, clip_grad=clip_grad,
-        )
+        if optimizer_options is None:
+            optimizer_options = OptimizerOptions(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                                 clip_grad=clip_grad)
+        self.optimizer = ShardedOptimizer(self.initial_shard(init_seed, init_std), self._decay_runs(),
+                                          optimizer_options)
         self.optimizer.grad_scaler = grad_scaler
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         self.exchange = ParamExchange(self.sharding, device=self.device, param_dtype=self.param_dtype,
@@ -212,19 +221,22 @@ class AdaptiveEngine:
         dist.all_gather_object(everyone, mine)
         return {(rep, r): runs for r, per_rank in enumerate(everyone) for rep, runs in per_rank.items()}
 
-    def _decay_runs(self) -> list[tuple[int, int, bool]]:
-        """(shard start, shard end, no_weight_decay) of this rank's shard."""
-        flags = self.space.no_weight_decay_runs()
+    def _decay_runs(self) -> list[tuple[int, int, bool, bool]]:
+        """(shard start, shard end, no_weight_decay, embedding_or_output) of this rank's shard:
+        megatron-core's param groups (the last flag: the tensors --decoupled-lr applies to,
+        those megatron-core marks `is_embedding_or_output_parameter`)."""
+        flags = [(t.offset, t.offset + t.numel, t.no_weight_decay, t.name in EMBEDDING_OR_OUTPUT)
+                 for t in self.space.tensors.values()]
         out = []
         for piece in self.sharding.pieces(self.rank):
-            for s, e, nwd in flags:
+            for s, e, nwd, dec in flags:
                 lo, hi = max(s, piece.start), min(e, piece.end)
                 if lo < hi:
-                    out.append((piece.offset + lo - piece.start, piece.offset + hi - piece.start, nwd))
+                    out.append((piece.offset + lo - piece.start, piece.offset + hi - piece.start, nwd, dec))
         merged = []
         for run in out:
-            if merged and merged[-1][2] == run[2] and merged[-1][1] == run[0]:
-                merged[-1] = (merged[-1][0], run[1], run[2])
+            if merged and merged[-1][2:] == run[2:] and merged[-1][1] == run[0]:
+                merged[-1] = (merged[-1][0], run[1], run[2], run[3])
             else:
                 merged.append(run)
         return merged
@@ -268,10 +280,7 @@ class AdaptiveEngine:
         optionally start the optimizer state afresh."""
         shard = self.sharding.shard_of(flat.to(self.device).float(), self.rank)
         if reset_optimizer:
-            old = self.optimizer
-            d = old.inner.defaults
-            self.optimizer = ShardedAdamW(shard, self._decay_runs(), lr=d["lr"], weight_decay=d["weight_decay"],
-                                          betas=d["betas"], eps=d["eps"], clip_grad=old.clip_grad)
+            self.optimizer = ShardedOptimizer(shard, self._decay_runs(), self.optimizer.options)
             self.optimizer.grad_scaler = self.grad_scaler
         else:
             self.optimizer.set_master(shard)

@@ -1,49 +1,93 @@
 """The optimizer state that never moves: this rank's shard of the fixed sharding.
 
 Rank r owns its piece of every bucket (`sharding.py`): their fp32 master values, their
-fp32 gradient accumulator and their Adam moments, all flat and on the model's device.
+fp32 gradient accumulator and the optimizer's state, all flat and on the model's device.
 Whatever layout an iteration uses, parameters are pulled from here and gradients pushed
-back here, and the step runs here (torch's AdamW, Megatron's optimizer without apex/TE,
-so the update is the one upstream Megatron makes). The shard is cut into runs of equal
-weight-decay flag; each run is a torch Parameter that is a view of the flat master, with
-a view of the flat gradient as its `.grad`, so nothing is copied per step. Clipping uses
-the true global norm: every gradient element lives in exactly one shard.
+back here, and the step runs here with the torch optimizer megatron-core builds without
+apex/TE (`--optimizer adam`: AdamW with --adam-beta1/2, --adam-eps; `--optimizer sgd`: SGD
+with --sgd-momentum), so the update is the one upstream Megatron makes. Param groups as
+megatron-core's: no weight decay on biases and 1-D parameters (norms), and with
+`--decoupled-lr` the embedding and output layer on their own LR schedule (max_lr /
+min_lr of their group, which megatron-core's OptimizerParamScheduler reads). The shard is
+cut into runs of equal group; each run is a torch Parameter that is a view of the flat
+master, with a view of the flat gradient as its `.grad`, so nothing is copied per step.
+Clipping (--clip-grad) uses the true global norm: every gradient element lives in exactly
+one shard.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-class ShardedAdamW:
-    """AdamW over this rank's shard, with Megatron's param groups (decay / no decay).
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Megatron's optimizer flags, as the fixed sharding's optimizer takes them."""
 
-    `decay_runs`: (shard_start, shard_end, no_weight_decay) covering the shard."""
+    optimizer: str = "adam"  # adam | sgd
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
-    def __init__(self, initial_shard: torch.Tensor, decay_runs: list[tuple[int, int, bool]], *, lr: float,
-                 weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 1.0):
-        self.clip_grad = clip_grad
+
+class ShardedOptimizer:
+    """AdamW or SGD over this rank's shard, with megatron-core's param groups.
+
+    `runs`: (shard_start, shard_end, no_weight_decay[, decoupled_lr]) covering the shard."""
+
+    def __init__(self, initial_shard: torch.Tensor, runs: list[tuple], options: OptimizerOptions | None = None,
+                 **flags):
+        o = options or OptimizerOptions()
+        if flags:  # the old keyword form (lr=, weight_decay=, betas=, eps=, clip_grad=)
+            o = OptimizerOptions(**{**o.__dict__, **flags})
+        if o.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer {o.optimizer!r}: the fixed sharding runs adam or sgd")
+        self.options = o
+        self.clip_grad = o.clip_grad
         self.flat = initial_shard.detach().clone().float()
         self.grad = torch.zeros_like(self.flat)
-        self.runs = list(decay_runs)
+        self.runs = [(r[0], r[1], bool(r[2]), bool(r[3]) if len(r) > 3 else False) for r in runs]
         self.pieces = []
-        for start, end, _ in self.runs:
+        for start, end, _, _ in self.runs:
             p = torch.nn.Parameter(self.flat[start:end])
             p.grad = self.grad[start:end]
             self.pieces.append(p)
-        decay = [p for p, (_, _, nwd) in zip(self.pieces, self.runs) if not nwd]
-        no_decay = [p for p, (_, _, nwd) in zip(self.pieces, self.runs) if nwd]
+        decoupled = o.decoupled_lr is not None
         groups = []
-        if decay:
-            groups.append({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0})
-        if no_decay:
-            groups.append({"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "weight_decay": 0.0})
+        # the default-schedule groups first: the log line reads param_groups[0]'s LR
+        for is_dec in ((False, True) if decoupled else (False,)):
+            for nwd in (False, True):
+                params = [p for p, (_, _, n, d) in zip(self.pieces, self.runs) if n == nwd and (d and decoupled) == is_dec]
+                if not params:
+                    continue
+                g = {"params": params, "wd_mult": 0.0 if nwd else 1.0, "lr_mult": 1.0, "is_decoupled_lr": is_dec,
+                     "default_config": not is_dec, "max_lr": o.lr, "min_lr": o.min_lr}
+                if nwd:
+                    g["weight_decay"] = 0.0
+                if is_dec:
+                    g["max_lr"], g["lr"] = o.decoupled_lr, o.decoupled_lr
+                    if o.decoupled_min_lr is not None:
+                        g["min_lr"] = o.decoupled_min_lr
+                groups.append(g)
         if not groups:  # an empty shard (more ranks than elements): keep the schedulers' shape
-            groups = [{"params": [torch.nn.Parameter(self.flat[:0])], "wd_mult": 1.0, "lr_mult": 1.0}]
-        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       foreach=self.flat.is_cuda)
+            groups = [{"params": [torch.nn.Parameter(self.flat[:0])], "wd_mult": 1.0, "lr_mult": 1.0,
+                       "default_config": True, "max_lr": o.lr, "min_lr": o.min_lr}]
+        if o.optimizer == "sgd":
+            self.inner = torch.optim.SGD(groups, lr=o.lr, weight_decay=o.weight_decay, momentum=o.sgd_momentum,
+                                         foreach=self.flat.is_cuda)
+        else:
+            self.inner = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=self.flat.is_cuda)
+        self._sgd_steps = 0
 
     grad_scaler = None  # megatron-core's loss scaler under --fp16 (the engine sets it)
 
@@ -57,6 +101,8 @@ class ShardedAdamW:
 
     def persistent_bytes(self) -> dict[str, int]:
         n = self.flat.numel()
+        if self.options.optimizer == "sgd":
+            return {"master": 4 * n, "grad_shard": 4 * n, "momentum": 4 * n if self.options.sgd_momentum else 0}
         return {"master": 4 * n, "grad_shard": 4 * n, "adam": 8 * n}
 
     def master(self) -> torch.Tensor:
@@ -79,7 +125,7 @@ class ShardedAdamW:
         return math.sqrt(sq.item())
 
     def step(self, group=None) -> tuple[bool, float]:
-        """Clip to the global norm, then AdamW. Skips (returns False) on a non-finite norm."""
+        """Clip to the global norm, then AdamW / SGD. Skips (returns False) on a non-finite norm."""
         norm = self.global_grad_norm(group)
         if not math.isfinite(norm):
             return False, norm
@@ -87,30 +133,48 @@ class ShardedAdamW:
         if coeff < 1.0:
             self.grad.mul_(coeff)  # in place, as Megatron clips: no second gradient copy
         self.inner.step()  # each piece's .grad is a view of self.grad
+        self._sgd_steps += 1
         if coeff < 1.0:
             self.grad.div_(coeff)  # leave the pushed gradient readable (tests, logging)
         return True, norm
 
     def moments(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(exp_avg, exp_avg_sq) of this shard, flat in shard order, and the step count."""
+        """(exp_avg, exp_avg_sq) of this shard, flat in shard order, and the step count.
+        SGD: (momentum buffer, zeros, steps), so checkpoints keep one format."""
         avg = torch.zeros_like(self.flat)
         avg_sq = torch.zeros_like(self.flat)
         step = 0
-        for p, (start, end, _) in zip(self.pieces, self.runs):
+        sgd = self.options.optimizer == "sgd"
+        for p, (start, end, _, _) in zip(self.pieces, self.runs):
             state = self.inner.state.get(p)
-            if state:
+            if not state:
+                continue
+            if sgd:
+                if state.get("momentum_buffer") is not None:
+                    avg[start:end] = state["momentum_buffer"]
+            else:
                 avg[start:end] = state["exp_avg"]
                 avg_sq[start:end] = state["exp_avg_sq"]
                 step = int(state["step"])
-        return avg, avg_sq, step
+        return avg, avg_sq, (self._sgd_steps if sgd else step)
 
     def set_moments(self, avg: torch.Tensor, avg_sq: torch.Tensor, step: int) -> None:
-        for p, (start, end, _) in zip(self.pieces, self.runs):
+        sgd = self.options.optimizer == "sgd"
+        if sgd:
+            self._sgd_steps = int(step)
+        for p, (start, end, _, _) in zip(self.pieces, self.runs):
             if step == 0:
                 self.inner.state.pop(p, None)
+                continue
+            if sgd:
+                if self.options.sgd_momentum:
+                    self.inner.state[p] = {"momentum_buffer": avg[start:end].to(self.flat.device).clone()}
                 continue
             self.inner.state[p] = {
                 "step": torch.tensor(float(step)),
                 "exp_avg": avg[start:end].to(self.flat.device).clone(),
                 "exp_avg_sq": avg_sq[start:end].to(self.flat.device).clone(),
             }
+
+
+ShardedAdamW = ShardedOptimizer  # the name it had when it ran AdamW only

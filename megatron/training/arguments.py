@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("adaptive parallelism (this fork)")
     g.add_argument("--dcp", action="store_true", help="plan the layout per iteration from the data")
     g.add_argument("--dcp-planner", choices=["adaptive", "static", "dynamic-cp", "dcp", "hydraulis"], default="adaptive")
-    g.add_argument("--dcp-global-batch-tokens", type=int, default=None)
+    g.add_argument("--dcp-global-batch-tokens", type=int, default=None,
+                   help="tokens per global batch (default: --global-batch-size x --seq-length)")
     g.add_argument("--dcp-max-seq-len", type=int, default=None, help="default: --seq-length")
     g.add_argument("--dcp-split-long-documents", action="store_true",
                    help="split documents longer than --dcp-max-seq-len into chunks instead of truncating")
@@ -170,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-cost-profile", type=str, default=None, help="profile written by dcp-profile")
     g.add_argument("--dcp-memory-margin", type=float, default=0.1)
     g.add_argument("--dcp-log-plan", type=str, default=None, help="append each iteration's plan (JSON lines) here")
+    g.add_argument("--dcp-device-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s of one device, for a GPU the planner's table does not know")
+    g.add_argument("--dcp-device-memory-gb", type=float, default=None,
+                   help="memory of one device in GiB (default: what torch reports for the device)")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
     from megatron.training.model_flags import add_model_flags
@@ -396,7 +401,7 @@ RANGES = {
         "lr", "min_lr", "weight_decay", "clip_grad")},
     **{name: _POSITIVE for name in (
         "norm_epsilon", "init_method_std", "adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale",
-        "loss_scale_window")},
+        "loss_scale_window", "dcp_device_tflops", "dcp_device_memory_gb")},
     **{name: _UNIT for name in ("adam_beta1", "adam_beta2", "sgd_momentum", "hidden_dropout", "attention_dropout")},
     "lr_warmup_fraction": (0, True, 1, True),
 }
@@ -455,6 +460,28 @@ def check_files(args: argparse.Namespace) -> None:
         problem = profile_problem(args.dcp_cost_profile)
         if problem:
             raise ArgumentError(f"--dcp-cost-profile {args.dcp_cost_profile}: {problem}")
+
+
+# Optimizer features the --dcp fixed sharding cannot run (read with getattr: the flags may
+# come from upstream's parser); everything else of the optimizer is honoured there.
+DCP_REFUSED_OPTIMIZER_SWITCHES = ("optimizer_cpu_offload", "use_precision_aware_optimizer", "optimizer_cuda_graph",
+                                  "overlap_param_gather_with_optimizer_step", "use_torch_optimizer_for_cpu_offload")
+
+
+def check_dcp_optimizer(args: argparse.Namespace) -> None:
+    if args.optimizer not in ("adam", "sgd"):
+        raise ArgumentError(f"--optimizer {args.optimizer} is not supported with --dcp (its fixed optimizer sharding "
+                            "runs adam or sgd): use --optimizer adam or sgd, or drop --dcp")
+    for dest in DCP_REFUSED_OPTIMIZER_SWITCHES:
+        if getattr(args, dest, False):
+            raise ArgumentError(f"{_flag(dest)} is not supported with --dcp (the optimizer state is one fixed sharding "
+                                "over all ranks, in fp32 on the device): drop it or drop --dcp")
+    if getattr(args, "no_weight_decay_cond_type", None):
+        raise ArgumentError(f"--no-weight-decay-cond-type {args.no_weight_decay_cond_type} is not supported with "
+                            "--dcp (biases and 1-D parameters skip weight decay, megatron-core's default): drop it")
+    dec, dec_min = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    if dec_min is not None and dec is not None and dec_min > dec:
+        raise ArgumentError(f"--decoupled-min-lr {_show(dec_min)} is above --decoupled-lr {_show(dec)}")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -538,11 +565,14 @@ def validate_args(args: argparse.Namespace) -> None:
         )
         args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     else:
-        need(args.dcp_global_batch_tokens is not None and args.dcp_global_batch_tokens > 0,
-             "--dcp needs --dcp-global-batch-tokens (tokens per global batch)")
+        if args.dcp_global_batch_tokens is None:  # the static line's batch, in tokens
+            need(args.global_batch_size is not None, "--dcp needs --dcp-global-batch-tokens or --global-batch-size")
+            args.dcp_global_batch_tokens = args.global_batch_size * args.seq_length
+        need(args.dcp_global_batch_tokens > 0, "--dcp-global-batch-tokens must be > 0 (tokens per global batch)")
         need(args.dcp_max_seq_len <= args.dcp_global_batch_tokens,
              f"--dcp-max-seq-len {args.dcp_max_seq_len} exceeds --dcp-global-batch-tokens {args.dcp_global_batch_tokens}")
         need(0.0 <= args.dcp_memory_margin < 1.0, "--dcp-memory-margin must be in [0, 1)")
+        check_dcp_optimizer(args)
         args.num_microbatches = None
     if args.save_interval is not None:  # without --save it saves nothing (upstream's leniency)
         need(args.save_interval > 0, "--save-interval must be > 0")

@@ -8,7 +8,6 @@ Megatron's LR schedule, log line and checkpoint layout.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -25,18 +24,33 @@ from megatron.training.log import TrainingLogger
 from megatron.training.loop_features import LoopFeatures
 
 
-def cluster_for(world_size: int):
-    """The cluster this job runs on: GPU kind from the device name, else this CPU."""
-    from dcp_ext.specs import GPU_KINDS, ClusterSpec
+def cluster_for(world_size: int, args=None):
+    """The cluster this job runs on: on a GPU, its memory from torch's device properties and
+    its peak from the table of known kinds (dcp_ext/gpu_table.py) or --dcp-device-tflops /
+    --dcp-device-memory-gb; an unknown GPU without them is one error line, never the CPU
+    preset. Without CUDA, this CPU (the flags override its numbers too)."""
+    from dcp_ext.gpu_table import UnknownDevice, gpu_kind_for_device
+    from dcp_ext.specs import GiB, ClusterSpec
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        for kind in GPU_KINDS:
-            if kind in name and kind != "cpu-gloo":
-                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-                spec = ClusterSpec.from_preset(f"{kind}x{world_size}")
-                return dataclasses.replace(spec, gpus_per_node=min(per_node, world_size))
-    return ClusterSpec.cpu_gloo(world_size)
+    tflops = getattr(args, "dcp_device_tflops", None)
+    memory_gb = getattr(args, "dcp_device_memory_gb", None)
+    if not torch.cuda.is_available():
+        spec = ClusterSpec.cpu_gloo(world_size)
+        if tflops is not None:
+            spec = spec.with_(peak_flops=tflops * 1e12)
+        if memory_gb is not None:
+            spec = spec.with_(memory_bytes=memory_gb * GiB)
+        return spec
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        gpu = gpu_kind_for_device(props.name, props.total_memory, tflops=tflops, memory_gb=memory_gb)
+    except UnknownDevice as e:
+        from megatron.training.arguments import ArgumentError
+
+        raise ArgumentError(str(e)) from None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    return ClusterSpec(name=f"{gpu.name}x{world_size}", num_gpus=world_size,
+                       gpus_per_node=max(1, min(per_node, world_size)), gpu=gpu)
 
 
 def layout_summary(it) -> str:
@@ -79,22 +93,81 @@ def grad_scaler_for(args):
                              hysteresis=args.hysteresis)
 
 
-def build_planner(args, train_ds):
+def static_layout_of(args) -> tuple[int, int, int]:
+    """(tp, cp, pp) of the launch line: the static baseline's layout."""
+    return (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size)
+
+
+def planner_options(args) -> dict:
+    """What each planner takes from the line: the adaptive ones (adaptive, hydraulis) keep the
+    static layout in a pool of at most --dcp-candidates; `static` runs the static layout
+    itself; dynamic-cp and dcp search their own (tp, pp) and size CP per sequence."""
+    if args.dcp_planner in ("adaptive", "hydraulis"):
+        return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates}
+    if args.dcp_planner == "static":
+        return {"layout": static_layout_of(args)}
+    return {}
+
+
+def static_layout_line(args, planner) -> str:
+    """The one line said at start: where the line's static layout is in the planner."""
+    tp, cp, pp = static_layout_of(args)
+    what = f"static layout tp={tp} pp={pp} cp={cp}"
+    pool = getattr(planner, "pool", None)
+    entry = getattr(planner, "static_entry", None)
+    if pool is not None:
+        n = len(pool.layouts)
+        where = "is in" if entry is not None and entry in pool.layouts else "is not in"
+        why = "" if where == "is in" else (" (hydraulis has no context parallelism)" if cp > 1 and
+                                           args.dcp_planner == "hydraulis" else " (it does not fit beside the pool)")
+        return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{'s' if n != 1 else ''}, --dcp-candidates {args.dcp_candidates})"
+    if args.dcp_planner == "static":
+        return f"dcp: {what} is the static planner's layout ({planner.describe()})"
+    return (f"dcp: {what} is not used by planner {args.dcp_planner}, which picks its own tp/pp and sizes CP per "
+            f"sequence ({planner.describe()})")
+
+
+def optimizer_options_for(args):
+    """Every optimizer flag for the fixed sharding's optimizer (--decoupled-lr/--decoupled-min-lr
+    read by getattr: older parsers do not have them)."""
+    from dcp_ext.runtime.sharded_optimizer import OptimizerOptions
+
+    return OptimizerOptions(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+                            decoupled_lr=getattr(args, "decoupled_lr", None),
+                            decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
+
+
+def build_planner(args, train_ds, cluster=None):
     from dcp_ext.planner import make_planner
+    from dcp_ext.planners.common import PlanningError
     from dcp_ext.specs import ModelSpec
 
     sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
-    return make_planner(
-        args.dcp_planner,
-        ModelSpec.from_megatron_args(args),
-        cluster_for(args.world_size),
-        max_seq_len=args.dcp_max_seq_len,
-        global_batch_tokens=args.dcp_global_batch_tokens,
-        length_sample=[int(x) for x in sample],
-        profile=args.dcp_cost_profile,
-        memory_margin=args.dcp_memory_margin,
-        seed=args.seed,
-    )
+    try:
+        planner = make_planner(
+            args.dcp_planner,
+            ModelSpec.from_megatron_args(args),
+            cluster if cluster is not None else cluster_for(args.world_size, args),
+            max_seq_len=args.dcp_max_seq_len,
+            global_batch_tokens=args.dcp_global_batch_tokens,
+            length_sample=[int(x) for x in sample],
+            profile=args.dcp_cost_profile,
+            memory_margin=args.dcp_memory_margin,
+            seed=args.seed,
+            **planner_options(args),
+        )
+    except PlanningError as e:
+        if args.dcp_planner != "static" or "cannot hold" not in str(e):
+            raise
+        tp, cp, pp = static_layout_of(args)
+        raise PlanningError(f"--dcp-planner static runs the line's layout tp={tp} pp={pp} cp={cp}, which cannot hold "
+                            f"a pack of --dcp-max-seq-len {args.dcp_max_seq_len} tokens on {cluster_for(args.world_size, args).name}: "
+                            "raise --tensor-model-parallel-size / --pipeline-model-parallel-size / "
+                            "--context-parallel-size or lower --dcp-max-seq-len") from None
+    print_rank_0(static_layout_line(args, planner))
+    return planner
 
 
 def check_memory(planner, it, batch) -> None:
@@ -153,11 +226,12 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType, replica_type_of
 
     set_random_seed_without_parallel_state(args.seed)
+    cluster = cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data is read
     train_ds, valid_ds, _ = document_datasets_provider(args)
     from megatron.training.global_vars import get_tokenizer
 
-    args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster_for(args.world_size))
-    planner = build_planner(args, train_ds)
+    args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
+    planner = build_planner(args, train_ds, cluster)
     eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
     types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
     engine = AdaptiveEngine(
@@ -166,8 +240,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                                            pipeline_model_parallel_size=pp, sequence_parallel=sp),
         lambda config, pre, post, pg: model_provider(config, pre_process=pre, post_process=post, pg_collection=pg),
         sequence_parallel=args.sequence_parallel,
-        lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps, clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
+        lr=args.lr, weight_decay=args.weight_decay, optimizer_options=optimizer_options_for(args),
+        init_seed=args.seed, init_std=args.init_method_std,
         exchange=args.dcp_exchange, overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
         bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
