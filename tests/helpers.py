@@ -107,3 +107,27 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def read_loss_log(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def reap_forked(pid: int, timeout: float, poll: float = 0.05) -> tuple[int, bool]:
+    """Wait up to `timeout` s for a forked child (a fork server's request), then SIGKILL its
+    process group (the child and whatever it started: dist-checkpointing workers).
+    Returns (exit code, 124 when it timed out; timed out)."""
+    import time
+
+    deadline = time.time() + timeout
+    status = None
+    while time.time() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = st
+            break
+        time.sleep(poll)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if status is None:
+        os.waitpid(pid, 0)
+        return 124, True
+    return os.waitstatus_to_exitcode(status), False

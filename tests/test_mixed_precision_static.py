@@ -311,8 +311,8 @@ def test_gradient_accumulation_dtype_follows_upstream(extra, fp32_grads):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--fp16", "--initial-loss-scale", "0.5"], "below --min-loss-scale"),
-    (["--fp16", "--hysteresis", "0"], "--hysteresis must be > 0"),
-    (["--fp16", "--loss-scale", "-1"], "--loss-scale must be > 0"),
+    (["--fp16", "--hysteresis", "0"], "--hysteresis 0 must be >= 1"),
+    (["--fp16", "--loss-scale", "-1"], "--loss-scale -1 must be > 0"),
 ])
 def test_invalid_loss_scaling_is_one_line(extra, needle):
     from megatron.training.arguments import ArgumentError, parse_args

@@ -203,21 +203,10 @@ def _serve() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        deadline = time.time() + req["timeout"]
-        status = None
-        while time.time() < deadline:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                break
-            time.sleep(0.02)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the child and whatever it started (dist-checkpointing workers)
-        except ProcessLookupError:
-            pass
-        if status is None:
-            _, status = os.waitpid(pid, 0)
-        print(json.dumps({"code": 124 if status is None else os.waitstatus_to_exitcode(status)}), flush=True)
+        from tests.helpers import reap_forked
+
+        code, _ = reap_forked(pid, req["timeout"], poll=0.02)
+        print(json.dumps({"code": code}), flush=True)
 
 
 # ----------------------------------------------------------------------- in pytest

@@ -79,8 +79,9 @@ def _fault_point(name: str) -> None:
         os._exit(17)
 
 
-def _fsync_dir(path: str) -> None:
-    """Make the renames/creations inside `path` durable (a no-op where directories cannot be opened)."""
+def _fsync(path: str) -> None:
+    """Flush a file, or the renames/creations inside a directory, to disk (best effort: a no-op
+    where the path cannot be opened or the filesystem cannot sync)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -91,6 +92,8 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
 
 
 def is_complete(path: str) -> bool:
@@ -130,7 +133,7 @@ def _write_tracker(root: str, iteration: int) -> None:
         os.fsync(f.fileno())
     _fault_point("after_tracker_tmp")
     os.replace(tmp, os.path.join(root, TRACKER))
-    _fsync_dir(root)
+    _fsync(root)
 
 
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
@@ -151,7 +154,7 @@ def recover(root: str) -> None:
             base = path[: -len(ASIDE_SUFFIX)]
             if not os.path.exists(base) and is_complete(path):
                 os.rename(path, base)
-                _fsync_dir(root)
+                _fsync(root)
             else:
                 shutil.rmtree(path, ignore_errors=True)
         elif name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)) and _ITER_DIR.match(name.rsplit(".", 1)[0]):
@@ -167,17 +170,8 @@ def _fsync_tree(path: str) -> None:
     the small ones it may not) and its directories."""
     for d, _, files in os.walk(path):
         for name in files:
-            try:
-                fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(d)
+            _fsync(os.path.join(d, name))
+        _fsync(d)
 
 
 def _remove_old(path: str) -> None:
@@ -208,7 +202,7 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
         recover(root)
         _fault_point("after_recover")
         os.makedirs(staging)
-        _fsync_dir(root)
+        _fsync(root)
         _fault_point("after_staging_dir")
     dist.barrier()
     dist_checkpointing.save(state, staging)
@@ -220,20 +214,20 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
     if dist.get_rank() == 0:
         if os.path.exists(final):  # re-saving an iteration (a relaunch of a finished job, a resume)
             os.rename(final, aside)
-            _fsync_dir(root)
+            _fsync(root)
             _fault_point("after_aside")
         os.rename(staging, final)
-        _fsync_dir(root)
+        _fsync(root)
         _fault_point("after_rename")
         _write_tracker(root, iteration)
         _fault_point("after_tracker")
         if os.path.exists(aside):
             doomed = final + DELETING_SUFFIX
             os.rename(aside, doomed)  # from here on nothing reads it: `.old` only ever names a complete copy
-            _fsync_dir(root)
+            _fsync(root)
             _fault_point("after_mark_delete")
             _remove_old(doomed)
-            _fsync_dir(root)
+            _fsync(root)
             _fault_point("after_delete_old")
     dist.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
@@ -428,21 +422,6 @@ _DAMAGE_WORDS = ("unpickl", "pickle data was truncated", "ran out of input", "eo
                  "weights only load failed")
 
 
-def _inner_failures(e: BaseException) -> list[BaseException]:
-    """The exceptions inside `e`: torch's per-rank failures, causes and contexts."""
-    out, todo = [], [e]
-    while todo and len(out) < 16:
-        x = todo.pop()
-        if x is None or any(x is y for y in out):
-            continue
-        out.append(x)
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values() if v is not None]
-        todo += [x.__cause__, x.__context__]
-    return [x for x in out if isinstance(x, BaseException)]
-
-
 def load_or_explain(request: dict, path: str, **kwargs) -> dict:
     """dist_checkpointing.load, with its failure as one line that names the cause: a file
     missing or damaged (the inspector), the operating system (a disk), or a checkpoint that
@@ -451,7 +430,7 @@ def load_or_explain(request: dict, path: str, **kwargs) -> dict:
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron.training.os_errors import explain_os_error
+    from megatron.training.os_errors import exception_chain, explain_os_error
 
     try:
         return dist_checkpointing.load(request, path, **kwargs)
@@ -460,7 +439,7 @@ def load_or_explain(request: dict, path: str, **kwargs) -> dict:
         if os_line:
             raise CheckpointError(f"cannot read checkpoint {path}: {os_line}") from None
         inspect_checkpoint(path)  # a file missing or cut short is the cause, whatever the message said
-        inner = _inner_failures(e)
+        inner = exception_chain(e)
         missing = [x for x in inner if isinstance(x, FileNotFoundError)]
         if missing:
             raise CheckpointError(f"{path} is damaged: {missing[0].filename or missing[0]} is missing; "

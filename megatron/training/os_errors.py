@@ -62,7 +62,8 @@ def find_os_error(e: BaseException, _depth: int = 0) -> Optional[OSError]:
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]+)')?")
 
 
-def _chain(e: BaseException) -> list[BaseException]:
+def exception_chain(e: BaseException) -> list[BaseException]:
+    """`e` and the exceptions inside it: torch's per-rank failures, causes and contexts."""
     out, todo = [], [e]
     while todo and len(out) < 16:
         x = todo.pop()
@@ -79,7 +80,7 @@ def _chain(e: BaseException) -> list[BaseException]:
 def _errno_in_text(e: BaseException) -> Optional[OSError]:
     """megatron-core's async writer re-raises a worker's OSError as RuntimeError("Worker failure:
     [Errno 28] No space left on device"): read the errno back from the message."""
-    for x in _chain(e):
+    for x in exception_chain(e):
         m = _ERRNO_TEXT.search(str(x))
         if m and int(m.group(1)) in _WHY:
             return OSError(int(m.group(1)), m.group(2).strip(), m.group(3))
@@ -125,7 +126,7 @@ def explain_failure(e: BaseException, args=None) -> Optional[str]:
     line = explain_os_error(e, where)
     if line is not None or full is None:
         return line
-    inner = [x for x in _chain(e) if type(x).__name__ != "CheckpointException" and str(x).strip()]
+    inner = [x for x in exception_chain(e) if type(x).__name__ != "CheckpointException" and str(x).strip()]
     first = (str(inner[-1]).strip().splitlines()[0] if inner else type(e).__name__)[:120]
     return (f"no space left on the disk holding {where}: a write failed ({first}): free space there "
             f"(or point {full[0]} elsewhere) and rerun; training resumes from the last checkpoint")
