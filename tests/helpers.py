@@ -131,3 +131,14 @@ def reap_forked(pid: int, timeout: float, poll: float = 0.05) -> tuple[int, bool
         os.waitpid(pid, 0)
         return 124, True
     return os.waitstatus_to_exitcode(status), False
+
+
+def drop_flags(flags: list[str], *names: str) -> list[str]:
+    """`flags` without each named flag and its values (the tokens after it up to the next --flag)."""
+    out, dropping = [], False
+    for f in flags:
+        if f.startswith("--"):
+            dropping = f in names
+        if not dropping:
+            out.append(f)
+    return out

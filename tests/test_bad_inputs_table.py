@@ -33,7 +33,7 @@ if __name__ != "__main__":
     import pytest
 
     from tests.conftest import TINY_MODEL
-    from tests.helpers import ENTRY, REPO, launch, read_loss_log
+    from tests.helpers import ENTRY, REPO, drop_flags, launch, read_loss_log
     from tests.test_bad_input import assert_one_line_error
 
     pytestmark = pytest.mark.dist
@@ -687,19 +687,6 @@ def make_validation_fixtures(root: str, p: dict, runner, on_teardown) -> dict:
     return out
 
 
-def _drop(flags: list[str], names: list[str]) -> list[str]:
-    out, skip = [], False
-    for i, f in enumerate(flags):
-        if skip:
-            skip = False
-            continue
-        if f in names:
-            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-            continue
-        out.append(f)
-    return out
-
-
 def argv_for(case: Case, paths: dict) -> list[str]:
     own, drop = [], []
     it = iter(case.flags)
@@ -709,7 +696,7 @@ def argv_for(case: Case, paths: dict) -> list[str]:
         else:
             own.append(f)
     base = {"static": TINY_MODEL + B_STATIC, "dcp": TINY_MODEL + B_DCP, "none": []}[case.base]
-    argv = _drop(base, drop) + own
+    argv = drop_flags(base, *drop) + own
     return [a.format(**paths) for a in argv]
 
 

@@ -13,27 +13,13 @@ import time
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import ENTRY, REPO, kill_tree, launch, read_loss_log
+from tests.helpers import ENTRY, REPO, drop_flags, kill_tree, launch, read_loss_log
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = pytest.mark.dist
 
 
-def without(flags, *names):
-    """TINY_MODEL minus some valued flags (the iteration forms of the schedule, the model shape)."""
-    out, skip = [], False
-    for i, f in enumerate(flags):
-        if skip:
-            skip = False
-            continue
-        if f in names:
-            skip = not (i + 1 < len(flags) and flags[i + 1].startswith("--"))
-            continue
-        out.append(f)
-    return out
-
-
-SAMPLE_MODEL = without(TINY_MODEL, "--lr-warmup-iters", "--lr-decay-iters")
+SAMPLE_MODEL = drop_flags(TINY_MODEL, "--lr-warmup-iters", "--lr-decay-iters")
 STATIC = ["--micro-batch-size", "2", "--global-batch-size", "4", "--reset-attention-mask", "--reset-position-ids"]
 
 
@@ -177,7 +163,7 @@ def test_no_save_optim_checkpoint(static_runs, tmp_path):
     # --use-checkpoint-args: the model shape comes from the checkpoint (no model flags given)
     shape = ["--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
              "--seq-length", "--max-position-embeddings", "--position-embedding-type", "--normalization"]
-    bare = [f for f in without(base, *shape) if f not in ("--swiglu", "--disable-bias-linear")]
+    bare = [f for f in drop_flags(base, *shape) if f not in ("--swiglu", "--disable-bias-linear")]
     log = str(tmp_path / "resumed.jsonl")
     r = launch(bare + ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng", "--loss-log", log])
     assert r.returncode == 0, r.stderr[-3000:]

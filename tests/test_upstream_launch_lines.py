@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.helpers import REPO, launch, read_loss_log
+from tests.helpers import REPO, drop_flags, launch, read_loss_log
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -56,28 +56,19 @@ def shrink(argv: list[str], tmp: str) -> list[str]:
     return out
 
 
-def drop(argv: list[str], flag: str) -> list[str]:
-    """argv without `flag` and its value (if it takes one)."""
-    at = argv.index(flag)
-    end = at + 1
-    while end < len(argv) and not argv[end].startswith("--"):
-        end += 1
-    return argv[:at] + argv[end:]
-
-
 def runnable_here(argv: list[str]) -> tuple[list[str], list[str]]:
     """Launch the line; while it is refused, the refusal must be one line naming a flag it holds:
     drop that flag and go on. Returns the runnable line and the flags refused, in order."""
     refused = []
     for _ in range(len(MAY_REFUSE) + 1):
-        proc = launch(drop(argv, "--train-samples") + ["--train-samples", "8"], nproc=1, timeout=300)  # 1 iteration
+        proc = launch(drop_flags(argv, "--train-samples") + ["--train-samples", "8"], nproc=1, timeout=300)  # 1 iteration
         if proc.returncode == 0:
             return argv, refused
         assert_one_line_error(proc, "error: --")
         flag = proc.stderr.strip().split()[1].rstrip(":")
         assert flag in argv, proc.stderr
         refused.append(flag)
-        argv = drop(argv, flag)
+        argv = drop_flags(argv, flag)
     raise AssertionError(f"still refused after dropping {refused}")
 
 
@@ -104,7 +95,7 @@ def test_only_fp8_and_fsdp_are_refused_each_in_one_line(runnable, name):
 def test_upstream_line_trains_on_four_cpu_ranks(runnable, name, dcp, tmp_path):
     argv = shrink(read_line(name), str(tmp_path))
     for flag in runnable[name]:
-        argv = drop(argv, flag)
+        argv = drop_flags(argv, flag)
     log = str(tmp_path / "loss.jsonl")
     argv += ["--loss-log", log] + (["--dcp"] if dcp else [])
     proc = launch(argv, nproc=4, timeout=900)
