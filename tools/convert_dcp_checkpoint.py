@@ -125,7 +125,10 @@ def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     parser = build_parser()
     dests = _dest_names(parser)
     saved = vars(common.get("args") or argparse.Namespace())
-    parser.set_defaults(**{k: v for k, v in saved.items() if k in dests and k != "yaml_cfg"})
+    from megatron.training.upstream_flags import is_table_flag
+
+    parser.set_defaults(**{k: v for k, v in saved.items()
+                           if k in dests and k != "yaml_cfg" and not is_table_flag(dests[k])})
     args = parse_flags(parser, rest, "model flags as in pretrain_gpt_dcp.py --help")
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp

@@ -251,3 +251,9 @@ def counts(parser: argparse.ArgumentParser, rows: list[list[str]]) -> dict[str, 
 
 __all__ = ["ACCEPT", "REFUSE", "FLAGS", "NOT_GIVEN", "UpstreamFlag", "add_upstream_flags", "check_upstream_flags",
            "accepted_line", "announce", "given_flags", "counts"]
+
+
+def is_table_flag(action: argparse.Action) -> bool:
+    """An upstream flag registered from the table (refused or accepted), not one this fork defines:
+    its value is never restored from a checkpoint's stored args."""
+    return isinstance(action, _Recording)
