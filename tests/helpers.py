@@ -142,3 +142,31 @@ def drop_flags(flags: list[str], *names: str) -> list[str]:
         if not dropping:
             out.append(f)
     return out
+
+
+class ForkServerClient:
+    """Client of a test file's fork server (`python FILE --serve`: imports once, then forks one
+    child per JSON request line and answers one JSON line). Subclasses add the request shape."""
+
+    def __init__(self, script: str, env: dict, what: str):
+        self.count = 0
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--serve"], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        assert json.loads(self.proc.stdout.readline()).get("ready"), f"{what} did not start"
+
+    def request(self, req: dict) -> dict:
+        self.count += 1
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

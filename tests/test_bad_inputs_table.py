@@ -33,7 +33,7 @@ if __name__ != "__main__":
     import pytest
 
     from tests.conftest import TINY_MODEL
-    from tests.helpers import ENTRY, REPO, drop_flags, launch, read_loss_log
+    from tests.helpers import ENTRY, REPO, ForkServerClient, drop_flags, launch, read_loss_log
     from tests.test_bad_input import assert_one_line_error
 
     pytestmark = pytest.mark.dist
@@ -104,37 +104,21 @@ def _serve() -> None:
         print(json.dumps({"code": code, "timed_out": timed_out}), flush=True)
 
 
-class ForkRunner:
-    def __init__(self, workdir: str):
-        self.workdir = workdir
-        self.count = 0
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        assert json.loads(self.proc.stdout.readline()).get("ready"), "fork server did not start"
+if __name__ != "__main__":  # the client side (the server runs this file as __main__)
+    class ForkRunner(ForkServerClient):
+        def __init__(self, workdir: str):
+            self.workdir = workdir
+            env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            super().__init__(__file__, env, "fork server")
 
-    def run(self, argv: list[str], env: dict | None = None, timeout: int = 180,
-            entry: str | None = None) -> subprocess.CompletedProcess:
-        self.count += 1
-        out = os.path.join(self.workdir, f"{self.count}.out")
-        err = os.path.join(self.workdir, f"{self.count}.err")
-        full_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-        self.proc.stdin.write(json.dumps({"argv": argv, "env": full_env, "out": out, "err": err,
-                                          "timeout": timeout, "entry": entry}) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
-        return subprocess.CompletedProcess(argv, reply["code"], open(out).read(), open(err).read())
-
-    def close(self):
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        finally:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        def run(self, argv: list[str], env: dict | None = None, timeout: int = 180,
+                entry: str | None = None) -> subprocess.CompletedProcess:
+            out = os.path.join(self.workdir, f"{self.count + 1}.out")
+            err = os.path.join(self.workdir, f"{self.count + 1}.err")
+            full_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+            reply = self.request({"argv": argv, "env": full_env, "out": out, "err": err, "timeout": timeout,
+                                  "entry": entry})
+            return subprocess.CompletedProcess(argv, reply["code"], open(out).read(), open(err).read())
 
 
 class FreshRunner:

@@ -215,39 +215,23 @@ if __name__ != "__main__":
 
     from megatron.training.checkpointing import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
                                                  read_tracker)
-    from tests.helpers import REPO
+    from tests.helpers import REPO, ForkServerClient
 
     pytestmark = pytest.mark.dist
 
-    class Server:
+    class Server(ForkServerClient):
         def __init__(self, work: str):
-            self.work, self.count = work, 0
+            self.work = work
             env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             env.pop("DCP_FAULT_INJECT", None)
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], cwd=REPO, env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         start_new_session=True)
-            assert json.loads(self.proc.stdout.readline()).get("ready"), "fault-injection server did not start"
+            super().__init__(__file__, env, "fault-injection server")
 
         def call(self, timeout: int = 120, **req):
-            self.count += 1
-            log, result = (os.path.join(self.work, f"{self.count}.{ext}") for ext in ("log", "json"))
-            self.proc.stdin.write(json.dumps(dict(req, log=log, result=result, timeout=timeout)) + "\n")
-            self.proc.stdin.flush()
-            code = json.loads(self.proc.stdout.readline())["code"]
+            log, result = (os.path.join(self.work, f"{self.count + 1}.{ext}") for ext in ("log", "json"))
+            code = self.request(dict(req, log=log, result=result, timeout=timeout))["code"]
             out = open(log).read() if os.path.exists(log) else ""
             value = json.load(open(result)) if os.path.exists(result) else None
             return code, value, out
-
-        def close(self):
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            finally:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     @pytest.fixture(scope="module")
     def server(tmp_path_factory):
