@@ -50,7 +50,7 @@ Model (Megatron flags, fp32 on the CPU): 4 layers, hidden 128, 4 heads / 2 query
 enough for 16K tokens on one core, large enough that the per-token terms dominate the
 per-parameter transients (under 1 MB).
 
-CPU attention: `dcp_ext.attention` calls SDPA on 3-D [heads, s, d] tensors, which torch
+CPU attention: `dcp_ext.runtime.attention` calls SDPA on 3-D [heads, s, d] tensors, which torch
 runs on its math path (not its CPU flash kernel): it keeps the softmax probabilities,
 heads x s^2 per document per layer, and GQA-expanded keys/values of the whole document
 on every CP rank. The cost model charges these only for the CPU backend; flash/TE
@@ -222,9 +222,9 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from dcp_ext import mcore_compat
+    from dcp_ext.compat import mcore_compat
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.executor import localize, set_recompute
     from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
     from megatron.core import parallel_state
@@ -324,7 +324,7 @@ def _worker(rank, world, port, cfg, result_dir):
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from dcp_ext import cpu_compat
+    from dcp_ext.compat import cpu_compat
 
     cpu_compat.install()
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -359,8 +359,8 @@ def measure(cfg: dict, world: int = 2) -> list[dict]:
 def predict(rows: list[dict], groups: int = GROUPS) -> list[dict]:
     """One row per (layout, recompute, tokens): the replica's measured peak (the largest of
     its ranks') and the cost model's activation peak."""
-    from dcp_ext.cost_model import CostModel, Layout
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.cost_model import CostModel, Layout
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
     cm = CostModel(ModelSpec.from_megatron_args(megatron_args(2, groups)), ClusterSpec.cpu_gloo(2))
     points = {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 
-from dcp_ext.lengths import DATA_DIR
+from dcp_ext.data.lengths import DATA_DIR
 import glob
 import os
 import sys
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dcp_ext.assign import (BASELINES, IMPLEMENTATION, ReplicaCost, balance, baseline_plan,  # noqa: E402
                             cpp_available, plan_replicas)
-from dcp_ext.batching import global_batches  # noqa: E402
+from dcp_ext.planning.batching import global_batches  # noqa: E402
 from dcp_ext.data.progress import Progress  # noqa: E402
 
 B_TOKEN, A_ATTN, C_SEQ, O_MB = 9.0e-5, 9.0e-5 / 6000, 5e-5, 4e-3

@@ -35,9 +35,9 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 from dcp_ext.cli import profile as harness  # noqa: E402
-from dcp_ext.cost_model import CostModel, Layout  # noqa: E402
-from dcp_ext.profile import Profile, fit_profile  # noqa: E402
-from dcp_ext.specs import ModelSpec  # noqa: E402
+from dcp_ext.planning.cost_model import CostModel, Layout  # noqa: E402
+from dcp_ext.planning.profile import Profile, fit_profile  # noqa: E402
+from dcp_ext.planning.specs import ModelSpec  # noqa: E402
 
 
 def machine() -> str:

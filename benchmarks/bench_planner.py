@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dcp_ext.lengths import DATA_DIR  # noqa: E402
-from dcp_ext.batching import global_batches  # noqa: E402
-from dcp_ext.planner import PLANNERS, make_planner  # noqa: E402
-from dcp_ext.specs import ClusterSpec, ModelSpec  # noqa: E402
+from dcp_ext.data.lengths import DATA_DIR  # noqa: E402
+from dcp_ext.planning.batching import global_batches  # noqa: E402
+from dcp_ext.planning.planner import PLANNERS, make_planner  # noqa: E402
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec  # noqa: E402
 
 DATA = os.environ.get("DCP_LENGTHS_DIR", DATA_DIR)
 
@@ -47,7 +47,7 @@ def planning_times(model: str, cluster: str, path: str, iterations: int, names) 
 
 
 def profile_accuracy(path: str) -> None:
-    from dcp_ext.profile import Profile, evaluate_profile, fit_profile, split_holdout
+    from dcp_ext.planning.profile import Profile, evaluate_profile, fit_profile, split_holdout
 
     prof = Profile.load(path)
     fit, held = split_holdout(prof.records)

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dcp_ext.lengths import DATA_DIR  # noqa: E402
+from dcp_ext.data.lengths import DATA_DIR  # noqa: E402
 from dcp_ext.cli.simulate import format_table, run  # noqa: E402
 
 DATA = os.environ.get("DCP_LENGTHS_DIR", DATA_DIR)

@@ -1,4 +1,4 @@
-// pybind11 bindings of the assignment kernels: dcp_ext._assign_cpp.
+// pybind11 bindings of the assignment kernels: dcp_ext.assign._kernels.
 // Inputs arrive validated by dcp_ext/assign/api.py (int64 lengths, parameter tuples);
 // the GIL is released while a kernel runs.
 #include <pybind11/numpy.h>
@@ -113,7 +113,7 @@ py::list baseline(const std::string& name, const LenArray& lengths, const py::se
 
 }  // namespace
 
-PYBIND11_MODULE(_assign_cpp, m) {
+PYBIND11_MODULE(_kernels, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";
   m.attr("name") = "cpp";
   m.def("balance", &balance, py::arg("lengths"), py::arg("params"), py::arg("seed"), py::arg("restarts"),

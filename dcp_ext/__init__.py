@@ -1,5 +1,9 @@
-"""dcp_ext: the adaptive-parallel engine (specs, cost model, planner, kernels, runtime).
+"""dcp_ext: the adaptive-parallel engine.
 
-Pure planning code lives here without torch; the torch glue (runtime, CPU compatibility
-for megatron-core, attention) imports torch lazily in its own modules.
+    planning/  specs, cost model, candidates, planners, simulator, plan contract (no torch)
+    assign/    the C++ stage-1/stage-2 kernels (pybind11) and their Python reference
+    runtime/   torch glue: model, attention, context parallel, the engine and its exchange
+    data/      documents, tokenizers, indexed datasets, packing
+    compat/    megatron-core shims for CPU ranks and the pinned version
+    cli/       dcp-plan, dcp-simulate, dcp-profile
 """

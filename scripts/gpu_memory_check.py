@@ -29,12 +29,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     import pretrain_gpt_dcp as entry
-    from dcp_ext.cost_model import CostModel, Layout
+    from dcp_ext.planning.cost_model import CostModel, Layout
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+    from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
     from dcp_ext.runtime.engine import AdaptiveEngine
     from dcp_ext.runtime.groups import ReplicaType
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed

@@ -98,8 +98,8 @@ def load_lengths(path: str):
 def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: str | None = None):
     """The planner `--dcp` training builds (training_dcp.build_planner), on a named cluster;
     `layouts`: a fixed pool ("1xtp2cp1pp2+1xtp4cp1pp1") instead of the pool search."""
-    from dcp_ext.planner import make_planner
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.planner import make_planner
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
     model = ModelSpec.from_megatron_args(args, name=args.model_name)
     cluster = ClusterSpec.from_preset(cluster_name)
@@ -113,7 +113,7 @@ def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: 
 
 def spec_differences(spec, preset_name: str) -> dict:
     """Fields where ModelSpec.from_megatron_args differs from the preset (name, seq_length aside)."""
-    from dcp_ext.specs import MODEL_PRESETS
+    from dcp_ext.planning.specs import MODEL_PRESETS
 
     if preset_name not in MODEL_PRESETS:
         return {}
@@ -221,9 +221,9 @@ def activation_peaks(planner, rank: int, lengths, iterations: int) -> dict:
     holding `rank`, simulate_iteration's peak minus the layout's state."""
     import numpy as np
 
-    from dcp_ext.batching import global_batches
-    from dcp_ext.cost_model import Layout
-    from dcp_ext.simulator import simulate_iteration
+    from dcp_ext.planning.batching import global_batches
+    from dcp_ext.planning.cost_model import Layout
+    from dcp_ext.planning.simulator import simulate_iteration
 
     cm = planner.cm
     truncated = np.minimum(lengths, planner.max_seq_len)
@@ -254,11 +254,11 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     import numpy as np
     import torch.distributed as dist
 
-    from dcp_ext.cost_model import Layout
+    from dcp_ext.planning.cost_model import Layout
     from megatron.training.arguments import parse_args
 
     t_start = time.perf_counter()
-    from dcp_ext.specs import ClusterSpec
+    from dcp_ext.planning.specs import ClusterSpec
 
     world = ClusterSpec.from_preset(cluster).num_gpus
     args = parse_args(megatron_argv(name, max_seq_len, global_batch_tokens, seed), world_size=world)
@@ -384,7 +384,7 @@ def format_details(r: dict, tolerance: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dcp_ext.lengths import DATA_DIR
+    from dcp_ext.data.lengths import DATA_DIR
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all", choices=["llama2-7b", "llama2-13b", "llama2-70b", "all"])

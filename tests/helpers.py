@@ -29,7 +29,7 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     torch.set_num_threads(1)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    from dcp_ext import cpu_compat
+    from dcp_ext.compat import cpu_compat
 
     cpu_compat.install()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
 
 # RoPE, GQA (8 heads, 4 groups: TP up to 4), SwiGLU, RMSNorm, fp32, tied embeddings.
 RUNTIME_MODEL = [
@@ -31,7 +31,7 @@ def tiny_args(world_size: int):
 
 
 def make_builders(args):
-    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.model import build_gpt_model
     from megatron.training.training import transformer_config_from_args
 
     def make_config(tp, cp, pp, sp):

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "bench_activation_memory.py")

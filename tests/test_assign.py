@@ -130,7 +130,7 @@ def test_cpp_equals_python_real_lengths(real_lengths):
 
 @pytest.fixture(scope="module")
 def real_lengths():
-    from dcp_ext.lengths import lengths_path
+    from dcp_ext.data.lengths import lengths_path
 
     path = lengths_path("code_python_cl100k.txt")
     return np.loadtxt(path, dtype=np.int64)

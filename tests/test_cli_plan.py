@@ -3,10 +3,10 @@ import json
 
 import numpy as np
 
-from dcp_ext.batching import global_batches
+from dcp_ext.planning.batching import global_batches
 from dcp_ext.cli import plan as plan_cli
 from dcp_ext.cli import simulate as sim_cli
-from dcp_ext.plan import Plan, validate_iteration
+from dcp_ext.planning.plan import Plan, validate_iteration
 
 
 def _lengths_file(tmp_path):

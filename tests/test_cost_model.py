@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def test_state_memory_by_hand(cm7):
 
 
 def test_pool_shares_buffers_sized_to_its_largest_stage():
-    from dcp_ext.cost_model import CostModel
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.cost_model import CostModel
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
     cm = CostModel(ModelSpec.from_preset("llama2-7b"), ClusterSpec.from_preset("h200x64"))
     alone = {lay: cm.state_bytes(lay) for lay in (Layout(1, 1, 1), Layout(8, 1, 1), Layout(2, 1, 2))}

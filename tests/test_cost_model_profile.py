@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.profile import Profile, ProfileRecord, evaluate_profile, fit_profile, split_holdout
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.profile import Profile, ProfileRecord, evaluate_profile, fit_profile, split_holdout
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 TRUE = {  # per strategy: (a, b, c, c0) of the whole replica, made up
     (1, 1, 1, 0): (2e-7, 1e-3, 2e-3, 0.05),
@@ -99,7 +99,7 @@ def test_bad_records_rejected():
 
 
 def test_profile_grid_covers_layouts_and_holds_out_lengths():
-    from dcp_ext.profile import profile_grid
+    from dcp_ext.planning.profile import profile_grid
 
     model, cluster = ModelSpec.from_preset("demo"), ClusterSpec.cpu_gloo(4)
     cm = CostModel(model, cluster)

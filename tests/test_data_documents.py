@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dcp_ext.batching import global_batches
+from dcp_ext.planning.batching import global_batches
 from dcp_ext.data.batches import ArrayLengths, GlobalBatchStream
 from dcp_ext.data.documents import build_document_datasets, parse_blend, split_bookends
 from dcp_ext.data.errors import DataError

@@ -116,8 +116,8 @@ def test_optimizer_flags_the_fixed_sharding_cannot_run_are_refused():
 
 # ----------------------------------------------------------------------------- GPU specs
 def test_gpu_spec_from_device_name_and_memory():
-    from dcp_ext.gpu_table import UnknownDevice, gpu_kind_for_device
-    from dcp_ext.specs import GPU_KINDS, GiB
+    from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
+    from dcp_ext.planning.specs import GPU_KINDS, GiB
 
     cpu = GPU_KINDS["cpu-gloo"]
     for name, tflops in (("NVIDIA B200", 2250), ("NVIDIA GB200", 2500), ("NVIDIA L40S", 362), ("NVIDIA L4", 121),

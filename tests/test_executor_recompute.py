@@ -11,7 +11,7 @@ pytestmark = pytest.mark.dist
 def _worker(rank, world):
     import torch
 
-    from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+    from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
     from dcp_ext.runtime.groups import ReplicaType
     from tests.runtime_helpers import engine_step, make_engine, random_docs, tiny_args
 

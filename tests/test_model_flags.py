@@ -114,7 +114,7 @@ def _model_worker(rank, world, extra):
     import torch
     from megatron.core import parallel_state
 
-    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.model import build_gpt_model
     from megatron.training.training import transformer_config_from_args
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -177,7 +177,7 @@ def _llama_step_worker(rank, world):
     import torch
 
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.engine import AdaptiveEngine
     from dcp_ext.runtime.groups import ReplicaType
     from megatron.training.arguments import parse_args

@@ -1,7 +1,7 @@
 """Plans are pinned: the planners' output on the shipped length files must not change.
 
 Why it exists: refactoring the planning code (moving modules, merging helpers) must leave
-every plan identical. Each case runs `dcp-plan` on one of ../shared/data/lengths and
+every plan identical. Each case runs `dcp-plan` on one of the shipped length files (data/lengths) and
 compares the SHA-256 of the plan file with the digest recorded in
 tests/data/plan_digests.json. A deliberate change to planning re-records them with
 `python tests/test_plan_digests.py --update` and says why in its commit.
@@ -16,7 +16,7 @@ import pytest
 from dcp_ext.cli import plan as plan_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LENGTHS = os.path.join(HERE, "..", "..", "shared", "data", "lengths")
+LENGTHS = os.path.join(HERE, "..", "data", "lengths")  # the repo ships the files of ../shared/data/lengths
 DIGESTS = os.path.join(HERE, "data", "plan_digests.json")
 PLANNERS = ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis")
 SMALL = ("demo", "cpu-gloox4", 8192, 2048)
@@ -48,7 +48,7 @@ def key(case) -> str:
     return "/".join(str(x) for x in case)
 
 
-@pytest.mark.skipif(not os.path.isdir(LENGTHS), reason="../shared/data/lengths not present")
+@pytest.mark.skipif(not os.path.isdir(LENGTHS), reason="data/lengths not present")
 @pytest.mark.parametrize("case", case_ids(), ids=key)
 def test_plan_is_unchanged(case, tmp_path, capsys):
     with open(DIGESTS) as f:

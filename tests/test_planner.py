@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dcp_ext.batching import global_batches
-from dcp_ext.lengths import DATA_DIR as DATA
-from dcp_ext.plan import iteration_to_json, validate_iteration
-from dcp_ext.planner import PLANNERS, PlanningError, make_planner
-from dcp_ext.simulator import lower_bound, simulate_iteration
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.batching import global_batches
+from dcp_ext.data.lengths import DATA_DIR as DATA
+from dcp_ext.planning.plan import iteration_to_json, validate_iteration
+from dcp_ext.planning.planner import PLANNERS, PlanningError, make_planner
+from dcp_ext.planning.simulator import lower_bound, simulate_iteration
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 CODE = os.path.join(DATA, "code_python_cl100k.txt")
 

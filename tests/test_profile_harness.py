@@ -7,9 +7,9 @@ import os
 import pytest
 
 from dcp_ext.cli.profile import main, parse_layouts, setup
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.profile import Profile
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.profile import Profile
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = ["--yaml-cfg", os.path.join(REPO, "examples", "cpu_demo.yaml")]

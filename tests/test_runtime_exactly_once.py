@@ -7,7 +7,7 @@ the global batch was trained once: a dropped or doubled document changes the sum
 """
 import pytest
 
-from dcp_ext.lengths import read_lengths
+from dcp_ext.data.lengths import read_lengths
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist
@@ -16,12 +16,12 @@ pytestmark = pytest.mark.dist
 def _worker(rank, world, lengths):
     import numpy as np
 
-    from dcp_ext.batching import global_batches
+    from dcp_ext.planning.batching import global_batches
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.plan import validate_iteration
-    from dcp_ext.planner import make_planner
+    from dcp_ext.planning.plan import validate_iteration
+    from dcp_ext.planning.planner import make_planner
     from dcp_ext.runtime.engine import ReplicaType, replica_type_of
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
     from tests.runtime_helpers import VOCAB, make_engine, tiny_args
 
     args = tiny_args(world)

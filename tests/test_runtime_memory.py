@@ -34,8 +34,8 @@ def _worker(rank, world, which):
 
 
 def _cost_model_bytes(pool):
-    from dcp_ext.cost_model import CostModel, Layout
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.cost_model import CostModel, Layout
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
     from tests.runtime_helpers import tiny_args
 
     args = tiny_args(4)

@@ -177,7 +177,8 @@ def _serve() -> None:
     from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
 
     import pretrain_gpt_dcp  # noqa: F401
-    from dcp_ext import cpu_compat, model  # noqa: F401
+    from dcp_ext.compat import cpu_compat  # noqa: F401
+    from dcp_ext.runtime import model  # noqa: F401
     from dcp_ext.runtime import engine  # noqa: F401
     from megatron.training import checkpointing_dcp, training  # noqa: F401
 

@@ -6,10 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
-from dcp_ext.simulator import lower_bound, one_f_one_b, simulate_iteration
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.planning.simulator import lower_bound, one_f_one_b, simulate_iteration
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
 @pytest.mark.parametrize("m,pp", [(1, 1), (4, 1), (1, 4), (4, 4), (8, 4), (3, 8), (16, 2)])

@@ -1,4 +1,4 @@
-"""The pipeline part of the lower bound (`dcp_ext.bound`): the 1F1B path inequality it rests
+"""The pipeline part of the lower bound (`dcp_ext.planning.bound`): the 1F1B path inequality it rests
 on, the exact capacity it derives, and no single-replica plan (any packing, order and
 recompute, memory-valid) ever beating it, with and without context parallelism."""
 import itertools
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dcp_ext.bound import bound_tables, capacity, lower_bound
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
-from dcp_ext.planners.common import PlanningError, fit_memory, make_type_table
-from dcp_ext.simulator import one_f_one_b, simulate_iteration
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.bound import bound_tables, capacity, lower_bound
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.planning.planners.common import PlanningError, fit_memory, make_type_table
+from dcp_ext.planning.simulator import one_f_one_b, simulate_iteration
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
 def test_1f1b_path_inequality():

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
 @pytest.mark.parametrize("name,n,per_node,kind", [

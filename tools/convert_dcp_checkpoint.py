@@ -312,7 +312,7 @@ def _init_gloo(rank: int, world: int, port: int | None) -> None:
 
     import torch.distributed as dist
 
-    from dcp_ext import cpu_compat, mcore_compat
+    from dcp_ext.compat import cpu_compat, mcore_compat
 
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

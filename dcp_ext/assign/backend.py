@@ -1,6 +1,6 @@
 """Which implementation runs the kernels: the C++ extension, else the Python reference.
 
-`dcp_ext._assign_cpp` (built from csrc/ by setup.py) is used when importable; otherwise
+`dcp_ext.assign._kernels` (built from csrc/ by setup.py) is used when importable; otherwise
 the pure-Python reference, with ONE warning. DCP_ASSIGN_IMPL=python forces the reference
 (DCP_ASSIGN_IMPL=cpp demands the extension). Both expose the same five kernel functions
 with the same arguments, so callers can also pick one per call (`impl="python"`).
@@ -41,10 +41,10 @@ class PythonBackend:
 
 def _load_cpp():
     try:
-        from dcp_ext import _assign_cpp  # type: ignore[attr-defined]
+        from dcp_ext.assign import _kernels  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return _assign_cpp
+    return _kernels
 
 
 _CPP = _load_cpp()
@@ -59,7 +59,7 @@ def default_backend():
         return _PY
     if want == "cpp":
         if _CPP is None:
-            raise ImportError("DCP_ASSIGN_IMPL=cpp but the extension dcp_ext._assign_cpp is not built "
+            raise ImportError("DCP_ASSIGN_IMPL=cpp but the extension dcp_ext.assign._kernels is not built "
                               "(run: python setup.py build_ext --inplace)")
         return _CPP
     if want not in ("", "auto"):
@@ -68,7 +68,7 @@ def default_backend():
         return _CPP
     if not _warned:
         _warned = True
-        warnings.warn("dcp_ext._assign_cpp is not built: dcp_ext.assign uses the pure-Python reference "
+        warnings.warn("dcp_ext.assign._kernels is not built: dcp_ext.assign uses the pure-Python reference "
                       "(slow). Build it with: python setup.py build_ext --inplace", RuntimeWarning, stacklevel=3)
     return _PY
 
@@ -81,7 +81,7 @@ def get(impl: str | None):
         return _PY
     if impl == "cpp":
         if _CPP is None:
-            raise ImportError("the C++ extension dcp_ext._assign_cpp is not built")
+            raise ImportError("the C++ extension dcp_ext.assign._kernels is not built")
         return _CPP
     raise ValueError(f"impl must be 'cpp', 'python' or None, got {impl!r}")
 

@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from dcp_ext.batching import global_batches
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.batching import global_batches
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
 class CLIError(Exception):
@@ -35,7 +35,7 @@ class Parser(argparse.ArgumentParser):
 
 def run_tool(main: Callable[[], int]) -> int:
     """Call a tool's body; its bad input (CLIError, and the planner's own refusals) is one line."""
-    from dcp_ext.planners.common import PlanningError
+    from dcp_ext.planning.planners.common import PlanningError
 
     try:
         return main()
@@ -65,7 +65,7 @@ def validate_common_args(args) -> None:
     if not 0.0 <= args.memory_margin < 1.0:
         raise CLIError(f"--memory-margin {args.memory_margin:g} must be in [0, 1)")
     if args.profile is not None:
-        from dcp_ext.profile import profile_problem
+        from dcp_ext.planning.profile import profile_problem
 
         problem = profile_problem(args.profile)
         if problem:

@@ -17,8 +17,8 @@ import numpy as np
 from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec, run_tool,
                                 validate_common_args)
 from dcp_ext.data.progress import Progress
-from dcp_ext.plan import Plan, validate_iteration
-from dcp_ext.planner import PLANNERS, make_planner
+from dcp_ext.planning.plan import Plan, validate_iteration
+from dcp_ext.planning.planner import PLANNERS, make_planner
 
 
 def main(argv: list[str] | None = None) -> int:

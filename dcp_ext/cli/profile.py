@@ -2,8 +2,8 @@
 
 Why it exists: the analytic cost model is a guess about the hardware; the planner is only
 as good as its prices. This tool times what the runtime really does (megatron-core stage
-models built by `dcp_ext.model`, run by the runtime's `StageRunner` with the runtime's
-process groups) over `dcp_ext.profile.profile_grid`'s document lengths and layouts, then
+models built by `dcp_ext.runtime.model`, run by the runtime's `StageRunner` with the runtime's
+process groups) over `dcp_ext.planning.profile.profile_grid`'s document lengths and layouts, then
 fits and saves the profile that `--dcp-cost-profile` / `dcp-plan --profile` read.
 
     dcp-profile --yaml-cfg examples/cpu_demo.yaml --out cache/profile-demo.json
@@ -129,7 +129,7 @@ def _rank_main(rank: int, world: int, port: int, job: Job, result_dir: str) -> N
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     else:
-        from dcp_ext import cpu_compat
+        from dcp_ext.compat import cpu_compat
 
         cpu_compat.install()
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -144,7 +144,7 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
     """This rank's stage model of replica `rep` (the runtime's builder and runner) and its
     share of every micro-batch in `idx`: {point index: (LocalMicroBatch, loss scale)}."""
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.model import build_gpt_model
+    from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.engine import seed_rng_tracker
     from dcp_ext.runtime.executor import StageRunner, localize
     from megatron.training.training import transformer_config_from_args  # lazy: CLI glue only
@@ -164,7 +164,7 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                             rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if device is not None:
-        model = model.to(device)  # dcp_ext.model's torch norms are built on the CPU even with CUDA (no TE)
+        model = model.to(device)  # dcp_ext.runtime.model's torch norms are built on the CPU even with CUDA (no TE)
     runner = StageRunner(model, config, rep, rank, config.num_layers)
     vocab = min(args.padded_vocab_size, 256)
     mbs = {}
@@ -184,7 +184,7 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
     import torch
     import torch.distributed as dist
 
-    from dcp_ext import mcore_compat
+    from dcp_ext.compat import mcore_compat
     from dcp_ext.data.progress import Progress
     from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
 
@@ -335,8 +335,8 @@ def setup(argv: Sequence[str] | None = None) -> Setup:
     """Parse our flags and Megatron's (the rest), choose the layouts, pad the vocabulary."""
     import torch
 
-    from dcp_ext.cost_model import CostModel, Layout
-    from dcp_ext.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.cost_model import CostModel, Layout
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
     ours, rest = build_parser().parse_known_args(argv)
     cuda = torch.cuda.is_available()
@@ -369,7 +369,7 @@ def setup(argv: Sequence[str] | None = None) -> Setup:
 
 
 def grid(ours, cm, layouts, max_len: int) -> list[dict]:
-    from dcp_ext.profile import profile_grid
+    from dcp_ext.planning.profile import profile_grid
 
     rc = tuple(r.strip() for r in ours.recompute.split(",") if r.strip())
     if not rc or set(rc) - {"none", "full"}:
@@ -380,7 +380,7 @@ def grid(ours, cm, layouts, max_len: int) -> list[dict]:
 
 
 def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
-    from dcp_ext.profile import evaluate_profile, fit_profile, split_holdout
+    from dcp_ext.planning.profile import evaluate_profile, fit_profile, split_holdout
 
     spreads = [t.spread for t in timings]
     print(f"{len(profile.records)} records, {len(profile.fits)} strategies; repeat spread (IQR/median): "
@@ -403,7 +403,7 @@ def job_for(st: Setup, points: list[dict], desc: str = "dcp-profile", seed_offse
 
 def records(timings: list[Timing], num_layers: int, statistic: str | None = None) -> list:
     """ProfileRecords of timed grid points (each timing's own statistic unless one is named)."""
-    from dcp_ext.profile import ProfileRecord
+    from dcp_ext.planning.profile import ProfileRecord
 
     return [ProfileRecord(t.point["tp"], t.point["cp"], t.point["pp"], t.point["recompute_layers"],
                           [int(n) for n in t.point["lengths"]], t.value(statistic or t.statistic), num_layers=num_layers)
@@ -412,7 +412,7 @@ def records(timings: list[Timing], num_layers: int, statistic: str | None = None
 
 def run_profile(st: Setup):
     """Time the grid, fit, save. Returns (Profile, Timings)."""
-    from dcp_ext.profile import fit_profile
+    from dcp_ext.planning.profile import fit_profile
 
     ours, args = st.ours, st.args
     max_len = ours.max_seq_len or args.dcp_max_seq_len or args.seq_length

@@ -18,12 +18,12 @@ import numpy as np
 
 from dcp_ext.cli.common import (CLIError, Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
                                 run_tool, validate_common_args)
-from dcp_ext.cost_model import CostModel
+from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.data.progress import Progress
-from dcp_ext.plan import validate_iteration
-from dcp_ext.planner import PLANNERS, make_planner
-from dcp_ext.planners.common import PlanningError
-from dcp_ext.simulator import lower_bound, simulate_iteration
+from dcp_ext.planning.plan import validate_iteration
+from dcp_ext.planning.planner import PLANNERS, make_planner
+from dcp_ext.planning.planners.common import PlanningError
+from dcp_ext.planning.simulator import lower_bound, simulate_iteration
 
 
 def run(args) -> dict:
@@ -106,7 +106,7 @@ def run(args) -> dict:
         r["gap_to_bound"] = float(np.mean(np.asarray(r["times_s"]) / np.asarray(lbs)) - 1)
         r["min_ratio_to_bound"] = float(np.min(np.asarray(r["times_s"]) / np.asarray(lbs)))
     if args.timeline:
-        from dcp_ext.timeline import render_timeline
+        from dcp_ext.planning.timeline import render_timeline
 
         tl = args.timeline_planner if args.timeline_planner in plans else next(iter(plans))
         k = min(args.timeline_iteration, len(bs) - 1)

@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dcp_ext import mcore_compat
-from dcp_ext.plan import IterationPlan
+from dcp_ext.compat import mcore_compat
+from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.runtime.exchange import ParamExchange
 from dcp_ext.runtime.executor import StageRunner, localize
 from dcp_ext.runtime.groups import GroupRegistry, ReplicaType

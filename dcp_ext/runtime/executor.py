@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcp_ext.context_parallel import cp_token_indices
+from dcp_ext.runtime.context_parallel import cp_token_indices
 
 
 @dataclass

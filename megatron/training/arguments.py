@@ -455,7 +455,7 @@ def check_files(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--load {args.load} is one checkpoint's folder: pass its parent "
                                 f"{os.path.dirname(os.path.normpath(args.load))} (the folder that holds {tracker})")
     if args.dcp_cost_profile is not None:
-        from dcp_ext.profile import profile_problem
+        from dcp_ext.planning.profile import profile_problem
 
         problem = profile_problem(args.dcp_cost_profile)
         if problem:

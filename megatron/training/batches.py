@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from dcp_ext.context_parallel import cp_token_indices, round_up
+from dcp_ext.runtime.context_parallel import cp_token_indices, round_up
 
 
 def document_lengths(tokens: torch.Tensor, eod: Optional[int]) -> list[int]:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp_ext import mcore_compat
+from dcp_ext.compat import mcore_compat
 from megatron.training.initialize import print_rank_0
 from megatron.training.loop_features import check_saved_parts
 

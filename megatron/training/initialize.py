@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp_ext import cpu_compat, mcore_compat
+from dcp_ext.compat import cpu_compat, mcore_compat
 
 
 def _free_port() -> int:

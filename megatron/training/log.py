@@ -1,7 +1,7 @@
 """Megatron's iteration log line, validation line and TensorBoard scalars.
 
 The iteration line keeps upstream's fields and order so existing log parsers keep
-working; throughput counts causal attention per document (dcp_ext.flops). TensorBoard
+working; throughput counts causal attention per document (dcp_ext.planning.flops). TensorBoard
 gets upstream's tags ('lm loss', 'learning-rate', 'batch-size', 'loss-scale',
 'grad-norm', each also '... vs samples'), so existing dashboards keep working.
 """
@@ -13,7 +13,7 @@ from datetime import datetime
 
 import torch.distributed as dist
 
-from dcp_ext.flops import training_flops
+from dcp_ext.planning.flops import training_flops
 from megatron.training.initialize import print_rank_last
 
 
@@ -42,7 +42,7 @@ class TrainingLogger:
                 print_rank_last("warning: --tensorboard-dir given but tensorboard is not installed (pip install tensorboard)")
 
     def model_shape(self) -> dict:
-        """The model's dimensions, as dcp_ext.flops.training_flops takes them."""
+        """The model's dimensions, as dcp_ext.planning.flops.training_flops takes them."""
         a = self.args
         return dict(
             num_layers=a.num_layers,

@@ -208,7 +208,7 @@ def pretrain(
     Returns the list of (iteration, lm loss) logged, for tests and tools.
     """
     from dcp_ext.data.errors import DataError
-    from dcp_ext.planners.common import PlanningError
+    from dcp_ext.planning.planners.common import PlanningError
 
     try:
         args = parse_args(argv)

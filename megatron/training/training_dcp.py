@@ -1,7 +1,7 @@
 """The `--dcp` training loop: per-iteration plans on the adaptive engine.
 
 Glue only: documents from the variable-length data path, global batches by tokens
-(DESIGN.md), a plan per iteration from `dcp_ext.planner` (the next one computed in a
+(DESIGN.md), a plan per iteration from `dcp_ext.planning.planner` (the next one computed in a
 background thread while this one trains), `dcp_ext.runtime.AdaptiveEngine` for the step,
 Megatron's LR schedule, log line and checkpoint layout.
 """
@@ -26,11 +26,11 @@ from megatron.training.loop_features import LoopFeatures
 
 def cluster_for(world_size: int, args=None):
     """The cluster this job runs on: on a GPU, its memory from torch's device properties and
-    its peak from the table of known kinds (dcp_ext/gpu_table.py) or --dcp-device-tflops /
+    its peak from the table of known kinds (dcp_ext/planning/gpu_table.py) or --dcp-device-tflops /
     --dcp-device-memory-gb; an unknown GPU without them is one error line, never the CPU
     preset. Without CUDA, this CPU (the flags override its numbers too)."""
-    from dcp_ext.gpu_table import UnknownDevice, gpu_kind_for_device
-    from dcp_ext.specs import GiB, ClusterSpec
+    from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
+    from dcp_ext.planning.specs import GiB, ClusterSpec
 
     tflops = getattr(args, "dcp_device_tflops", None)
     memory_gb = getattr(args, "dcp_device_memory_gb", None)
@@ -69,9 +69,9 @@ def vocab_padding_for(args, vocab_size: int, cluster) -> int:
     """One padded vocabulary for every layout the planner may choose on `cluster`: a
     multiple of divisible_by x lcm(every candidate tp). Fixed before planning, so the
     planner's cost model and the runtime see the same model."""
-    from dcp_ext.cost_model import CostModel
+    from dcp_ext.planning.cost_model import CostModel
     from dcp_ext.data.tokenizers import padded_vocab_size
-    from dcp_ext.specs import ModelSpec
+    from dcp_ext.planning.specs import ModelSpec
 
     spec = ModelSpec.from_megatron_args(args).with_(vocab_size=vocab_size)
     lcm_tp = 1
@@ -140,9 +140,9 @@ def optimizer_options_for(args):
 
 
 def build_planner(args, train_ds, cluster=None):
-    from dcp_ext.planner import make_planner
-    from dcp_ext.planners.common import PlanningError
-    from dcp_ext.specs import ModelSpec
+    from dcp_ext.planning.planner import make_planner
+    from dcp_ext.planning.planners.common import PlanningError
+    from dcp_ext.planning.specs import ModelSpec
 
     sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
     try:
@@ -173,7 +173,7 @@ def build_planner(args, train_ds, cluster=None):
 def check_memory(planner, it, batch) -> None:
     """The planner promises every micro-batch fits (device memory less --dcp-memory-margin);
     check the promise before running it, so a planning bug is an error, not an OOM."""
-    from dcp_ext.simulator import simulate_iteration
+    from dcp_ext.planning.simulator import simulate_iteration
 
     result = simulate_iteration(planner.cm, it, dict(zip(batch.sample_ids, batch.lengths)))
     if not result.memory_ok:
@@ -221,8 +221,8 @@ def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
     from dcp_ext.data.batches import GlobalBatchStream
     from dcp_ext.data.thd import materialize, num_loss_tokens
-    from dcp_ext.flops import training_flops
-    from dcp_ext.plan import iteration_to_json, validate_iteration
+    from dcp_ext.planning.flops import training_flops
+    from dcp_ext.planning.plan import iteration_to_json, validate_iteration
     from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType, replica_type_of
 
     set_random_seed_without_parallel_state(args.seed)

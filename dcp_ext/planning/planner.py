@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dcp_ext.planners.adaptive import AdaptivePlanner
-from dcp_ext.planners.base import PlannerBase, ReplicaType
-from dcp_ext.planners.common import PlanningError, make_type_table
-from dcp_ext.planners.dynamic_cp import DCPPlanner, DynamicCPPlanner
-from dcp_ext.planners.static import StaticPlanner
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.planners.adaptive import AdaptivePlanner
+from dcp_ext.planning.planners.base import PlannerBase, ReplicaType
+from dcp_ext.planning.planners.common import PlanningError, make_type_table
+from dcp_ext.planning.planners.dynamic_cp import DCPPlanner, DynamicCPPlanner
+from dcp_ext.planning.planners.static import StaticPlanner
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 PLANNERS = ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis")
 
@@ -31,7 +31,7 @@ class HydraulisPlanner(AdaptivePlanner):
 
     def __init__(self, model, cluster, max_seq_len, global_batch_tokens, length_sample=None, profile=None,
                  memory_margin=0.1, seed=0, progress=False, **kw):
-        from dcp_ext.cost_model import CostModel
+        from dcp_ext.planning.cost_model import CostModel
 
         cm = CostModel(model, cluster, None, memory_margin)
         no_cp = [l for l in cm.all_layouts() if l.cp == 1]

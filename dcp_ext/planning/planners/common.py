@@ -14,9 +14,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
-from dcp_ext.simulator import one_f_one_b
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.planning.simulator import one_f_one_b
 
 
 class PlanningError(ValueError):
@@ -418,7 +418,7 @@ def sample_batches(length_sample: Sequence[int], global_batch_tokens: int, max_s
     """Global batches drawn from the dataset's length histogram: the sample shuffled with
     `seed`, cut by the global batch rule; `count` of them, evenly spaced. These are not the
     batches the run will see, only batches like them."""
-    from dcp_ext.batching import iter_global_batches
+    from dcp_ext.planning.batching import iter_global_batches
 
     lens = np.minimum(np.asarray(length_sample, dtype=np.int64), max_seq_len)
     if len(lens) == 0:

@@ -4,7 +4,7 @@ Why it exists: this is the system's brain (DESIGN.md step 2). Given one global b
 returns the plan the runtime executes.
 
 Per iteration:
-  1. rank the candidate layouts (`dcp_ext.candidates`, built once per run) with the
+  1. rank the candidate layouts (`dcp_ext.planning.candidates`, built once per run) with the
      water-filling estimate: longest documents to the types that finish them fastest;
   2. plan the best ones in full (those within the estimate's accuracy of the best, and
      the current layout when staying on it is plausible). Stage 1: earliest finish time,
@@ -34,11 +34,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
-from dcp_ext.cost_model import Layout
-from dcp_ext.plan import IterationPlan
-from dcp_ext.planners.base import PlannerBase
-from dcp_ext.planners.common import (
+from dcp_ext.planning.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
+from dcp_ext.planning.cost_model import Layout
+from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.planners.base import PlannerBase
+from dcp_ext.planning.planners.common import (
     PackedReplica,
     canonical,
     PlanningError,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lengths")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "lengths")
 
 
 def lengths_path(name: str) -> str:

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import Layout
-from dcp_ext.plan import IterationPlan
-from dcp_ext.planners.base import PlannerBase
-from dcp_ext.planners.common import (
+from dcp_ext.planning.cost_model import Layout
+from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.planners.base import PlannerBase
+from dcp_ext.planning.planners.common import (
     PackedReplica,
     PlanningError,
     first_fit_decreasing,
@@ -27,7 +27,7 @@ from dcp_ext.planners.common import (
     sample_batches,
     to_iteration_plan,
 )
-from dcp_ext.simulator import one_f_one_b
+from dcp_ext.planning.simulator import one_f_one_b
 
 
 class StaticPlanner(PlannerBase):

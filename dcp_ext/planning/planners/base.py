@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan
-from dcp_ext.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 ReplicaType = tuple[int, int, int, tuple[int, ...]]
 
@@ -33,7 +33,7 @@ class PlannerBase:
         seed: int = 0,
         progress: bool = False,
     ):
-        from dcp_ext.profile import load_profile
+        from dcp_ext.planning.profile import load_profile
 
         self.model = model
         self.cluster = cluster

@@ -3,7 +3,7 @@
 Each document (padded to a multiple of 2*cp) is cut into 2*cp equal chunks; CP rank r
 holds chunks r and 2*cp-1-r, so causal attention work is balanced. This matches what
 megatron-core's RoPE and transformer-engine's THD attention expect, and what
-`dcp_ext.attention` reassembles.
+`dcp_ext.runtime.attention` reassembles.
 """
 from __future__ import annotations
 

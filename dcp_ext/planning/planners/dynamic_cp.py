@@ -31,10 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import Layout, next_pow2
-from dcp_ext.plan import IterationPlan
-from dcp_ext.planners.base import PlannerBase
-from dcp_ext.planners.common import (
+from dcp_ext.planning.cost_model import Layout, next_pow2
+from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.planners.base import PlannerBase
+from dcp_ext.planning.planners.common import (
     PlanningError,
     finish_replica,
     first_fit_decreasing,

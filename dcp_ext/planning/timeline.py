@@ -10,9 +10,9 @@ from typing import Mapping
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan
-from dcp_ext.simulator import one_f_one_b
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.simulator import one_f_one_b
 
 
 def timeline_rows(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]):

@@ -11,7 +11,7 @@ pushes its gradients back; replicas run in parallel and the slowest decides:
 
     T = max over replicas (sync(replica) + pipeline(replica))
 
-Lower bound (`lower_bound`, in `dcp_ext.bound`): a relaxation of every plan any planner
+Lower bound (`lower_bound`, in `dcp_ext.planning.bound`): a relaxation of every plan any planner
 can emit on this cluster (all layouts, all recompute choices): documents split perfectly
 over devices, each at its cheapest layout (additive part of the cost), every device paying
 the receive side of its layout's sync, micro-batch constants forced by memory, pipelines
@@ -27,8 +27,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.plan import IterationPlan, ReplicaPlan
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.plan import IterationPlan, ReplicaPlan
 
 
 # ---------------------------------------------------------------------------- 1F1B
@@ -202,4 +202,4 @@ def simulate_iteration(cm: CostModel, it: IterationPlan, length_of: Mapping[int,
 
 
 # ---------------------------------------------------------------------------- lower bound
-from dcp_ext.bound import BoundTables, bound_tables, lower_bound  # noqa: E402,F401  (re-exported)
+from dcp_ext.planning.bound import BoundTables, bound_tables, lower_bound  # noqa: E402,F401  (re-exported)

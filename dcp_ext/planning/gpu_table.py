@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from dcp_ext.specs import GPU_KINDS, GiB, GPUKind
+from dcp_ext.planning.specs import GPU_KINDS, GiB, GPUKind
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def gpu_kind_for_device(device_name: str, total_memory_bytes: float | None, *, t
     gpu = known_gpu(device_name)
     if gpu is None and tflops is None:
         raise UnknownDevice(
-            f"GPU '{device_name}' is not in the planner's table of known kinds (dcp_ext/gpu_table.py): give its "
+            f"GPU '{device_name}' is not in the planner's table of known kinds (dcp_ext/planning/gpu_table.py): give its "
             "dense bf16 peak with --dcp-device-tflops N (TFLOP/s per device; memory is read from the device, "
             "--dcp-device-memory-gb overrides it)")
     if memory_gb is not None:

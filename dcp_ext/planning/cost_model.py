@@ -3,7 +3,7 @@
 Why it exists: every planner, the baselines, the simulator and the lower bound must price
 the same work the same way, or comparisons between them mean nothing. This module is that
 single price list. It is analytic by default (FLOPs, bytes, bandwidths from the specs) and
-calibrated from a profile file (`dcp_ext.profile`) when one is given.
+calibrated from a profile file (`dcp_ext.planning.profile`) when one is given.
 
 Shape of the model. For one pipeline stage and one micro-batch holding documents s_i
 (T = sum s_i tokens, x = T / cp rows per device):
@@ -42,7 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from dcp_ext.specs import ClusterSpec, ModelSpec, bucket_numel_for
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec, bucket_numel_for
 
 ATTN_BWD_FACTOR = 2.5  # flash-attention backward / forward FLOPs
 MATMUL_BWD_FACTOR = 2.0
@@ -355,8 +355,8 @@ class CostModel:
         e = m.activation_bytes
         h, f, kv, d, heads = m.hidden_size, m.ffn_hidden_size, m.kv_size, m.head_dim, m.num_attention_heads
         sp = t if (t == 1 or m.sequence_parallel) else 1
-        # The CPU backend (no transformer-engine): dcp_ext.model.layer_spec puts megatron-core's
-        # local spec together with dcp_ext.attention's core attention and torch norms, and runs
+        # The CPU backend (no transformer-engine): dcp_ext.runtime.model.layer_spec puts megatron-core's
+        # local spec together with dcp_ext.runtime.attention's core attention and torch norms, and runs
         # what transformer_config_from_args configures: no bias-activation fusion, no RoPE
         # fusion. The GPU terms assume upstream Megatron's GPU settings instead: TE layers,
         # fused bias-SwiGLU (--bias-swiglu-fusion) and fused RoPE.
@@ -388,7 +388,7 @@ class CostModel:
         # dropout masks (1 byte) after attention and after the MLP
         drop = 2.0 * h / sp if m.hidden_dropout else 0.0
         if cpu:
-            # dcp_ext.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
+            # dcp_ext.runtime.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
             # the CPU flash kernel). It keeps q*scale (h/t), the GQA-expanded k*scale and v of
             # the whole document (h/t each per key row: a CP rank all-gathers keys and values,
             # so cp key rows per local query row) and the concatenated output (linear_proj's

@@ -2,7 +2,7 @@
 
 Why it exists: the planners are judged by their gap to this number, so it must be a true
 bound (a relaxation of every plan the simulator accepts: any layouts, assignment, packing,
-order and recompute) and as tight as can be proven. The simulator (`dcp_ext.simulator`)
+order and recompute) and as tight as can be proven. The simulator (`dcp_ext.planning.simulator`)
 defines the truth: T = max over replicas of sync + 1F1B makespan of its micro-batches.
 
 Relaxation. Documents are split fractionally over devices; a document d placed on layout L
@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel, Layout
 
 _EPS = 1e-9  # relative slack on capacities (valid direction: a larger capacity)
 

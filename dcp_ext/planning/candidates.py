@@ -3,7 +3,7 @@
 Why it exists: choosing replica types per iteration from scratch is too slow and would
 need process groups for every possible layout. Like Hydraulis, we decide once per run,
 from the dataset's length histogram, which heterogeneous layouts are worth having; each
-iteration then only picks among them (`dcp_ext.planners.adaptive`).
+iteration then only picks among them (`dcp_ext.planning.planners.adaptive`).
 
 How: (1) for batches drawn from the histogram (typical ones, plus batches of only its
 short half and only its long tail), a dynamic program over every replica type the
@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.cost_model import CostModel, Layout
-from dcp_ext.planners.common import (
+from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.planners.common import (
     DocCosts,
     PlanningError,
     TypeTable,
@@ -351,7 +351,7 @@ def build_pool(
     plan, priced), the cover uses exact times of each batch's `shortlist` best layouts by
     the estimate: the estimate is fractional and flatters layouts whose few documents
     cannot be balanced over their replicas."""
-    from dcp_ext.simulator import lower_bound
+    from dcp_ext.planning.simulator import lower_bound
 
     world = cm.cluster.num_gpus
     all_lens = np.concatenate([np.asarray(b) for b in batches]) if batches else np.array([max_seq_len])

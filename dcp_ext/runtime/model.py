@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dcp_ext import cpu_compat
+from dcp_ext.compat import cpu_compat
 
 
 def transformer_engine_usable() -> bool:
@@ -96,7 +96,7 @@ def layer_spec(config, use_te: Optional[bool] = None):
         use_te = transformer_engine_usable()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
-    from dcp_ext.attention import DocumentCausalAttention
+    from dcp_ext.runtime.attention import DocumentCausalAttention
 
     spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization,
                                                          qk_layernorm=bool(config.qk_layernorm)))

@@ -1,1 +1,0 @@
-"""Planners: the adaptive one and the baselines, all behind `make_planner` (see dcp_ext.planner)."""
