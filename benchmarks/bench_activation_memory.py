@@ -226,7 +226,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.executor import localize, set_recompute
-    from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
+    from dcp_ext.runtime.groups import GroupRegistry
     from megatron.core import parallel_state
     from megatron.training.training import transformer_config_from_args
 

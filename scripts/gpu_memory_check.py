@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
     from dcp_ext.runtime.engine import AdaptiveEngine
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
     from dcp_ext.planning.specs import ClusterSpec, ModelSpec
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args

@@ -149,7 +149,7 @@ def worst_rank(planner) -> int:
     best = None
     for r in range(planner.cluster.num_gpus):
         heaviest, own = 0.0, 0.0
-        for tp, cp, pp, ranks in planner.replica_types():
+        for tp, cp, pp, ranks in ((t.tp, t.cp, t.pp, t.ranks) for t in planner.replica_types()):
             if r not in ranks:
                 continue
             local = spec.local_stage_params(tp, pp)
@@ -176,11 +176,11 @@ def build_engine(args, planner):
     import torch
 
     import pretrain_gpt_dcp as entry
-    from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType
+    from dcp_ext.runtime.engine import AdaptiveEngine
     from megatron.training import global_vars
     from megatron.training.training import transformer_config_from_args
 
-    types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
+    types = planner.replica_types()
     global_vars.set_args(args)  # args.padded_vocab_size: set before planning, as training does
 
     def make_config(tp, cp, pp, sp):
@@ -284,7 +284,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     chosen = worst_rank(planner) if rank is None else rank
     if not 0 <= chosen < world:
         raise SystemExit(f"--rank {chosen}: the world has {world} ranks")
-    mine = [(tp, cp, pp, ranks) for tp, cp, pp, ranks in planner.replica_types() if chosen in ranks]
+    mine = [(tp, cp, pp, ranks) for tp, cp, pp, ranks in ((t.tp, t.cp, t.pp, t.ranks) for t in planner.replica_types()) if chosen in ranks]
     layouts = sorted({Layout(tp, cp, pp) for tp, cp, pp, _ in mine})
     labels = []
     for tp, cp, pp, ranks in sorted(mine):

@@ -83,10 +83,9 @@ def plan_for(index: int, layout: list[tuple], n_docs: int, recompute_every: int 
 
 def engine_step(engine, plan: IterationPlan, docs):
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.runtime.engine import replica_type_of
 
     rep = engine.my_replica(plan)
-    each, total = engine.padding_for(replica_type_of(rep))
+    each, total = engine.padding_for(rep.replica_type)
     batches = [build_micro_batch([docs[i] for i in mb.sample_ids], pad_each_to=each, pad_total_to=total)
                for mb in rep.micro_batches]
     return engine.step(plan, batches, loss_tokens(docs))

@@ -149,7 +149,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
 
     import pretrain_gpt_dcp
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
     from megatron.training import global_vars, training, training_dcp
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap

@@ -12,7 +12,7 @@ def _worker(rank, world):
     import torch
 
     from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
     from tests.runtime_helpers import engine_step, make_engine, random_docs, tiny_args
 
     args = tiny_args(world)

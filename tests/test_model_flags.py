@@ -179,7 +179,7 @@ def _llama_step_worker(rank, world):
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.engine import AdaptiveEngine
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
     from megatron.training.arguments import parse_args
     from megatron.training.training import transformer_config_from_args
     from tests.runtime_helpers import RUNTIME_MODEL, engine_step, loss_tokens, plan_for, random_docs

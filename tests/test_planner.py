@@ -32,7 +32,7 @@ def _check(planner, model, cluster, batches, lengths):
         it = planner.plan_iteration(i, ids, lengths[ids].tolist())
         validate_iteration(it, cluster.num_gpus, model.num_layers, model.num_attention_heads, model.num_query_groups)
         for r in it.replicas:
-            assert (r.tp, r.cp, r.pp, tuple(r.ranks)) in types
+            assert r.replica_type in types
             assert r.ranks == list(range(r.ranks[0], r.ranks[0] + len(r.ranks)))  # contiguous block
             if len(r.ranks) <= cluster.gpus_per_node:  # node-local
                 assert r.ranks[0] // cluster.gpus_per_node == r.ranks[-1] // cluster.gpus_per_node
@@ -69,9 +69,9 @@ def test_llama7b_h200x64_real_batches(name):
                      sample_count=4)
     _check(p, model, cluster, batches, lengths)
     if name == "hydraulis":
-        assert all(t[1] == 1 for t in p.replica_types())
+        assert all(t.cp == 1 for t in p.replica_types())
     if name == "static":
-        assert len({(t[0], t[1], t[2]) for t in p.replica_types()}) == 1
+        assert len({t.layout for t in p.replica_types()}) == 1
 
 
 def test_plans_are_deterministic(demo):

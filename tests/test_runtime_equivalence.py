@@ -25,7 +25,7 @@ SEQUENCE = ["TP2+2xTP1", "2xPP2", "TP4", "PP2+CP2", "4xDP"]
 
 
 def _types(layouts):
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
 
     return {ReplicaType(tp, cp, pp, tuple(ranks)) for lay in layouts for ranks, tp, cp, pp, _ in lay}
 

@@ -20,7 +20,6 @@ def _worker(rank, world, lengths):
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.plan import validate_iteration
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.runtime.engine import ReplicaType, replica_type_of
     from dcp_ext.planning.specs import ClusterSpec, ModelSpec
     from tests.runtime_helpers import VOCAB, make_engine, tiny_args
 
@@ -28,7 +27,7 @@ def _worker(rank, world, lengths):
     max_len, batch_tokens = 256, 1024
     planner = make_planner("adaptive", ModelSpec.from_megatron_args(args), ClusterSpec.cpu_gloo(world),
                            max_seq_len=max_len, global_batch_tokens=batch_tokens, length_sample=lengths, seed=0)
-    engine = make_engine(args, [ReplicaType(*t) for t in planner.replica_types()])
+    engine = make_engine(args, planner.replica_types())
     rng = np.random.default_rng(0)
     truncated = [min(n, max_len) for n in lengths]
     docs = [rng.integers(0, VOCAB - 1, size=n) for n in truncated]
@@ -39,7 +38,7 @@ def _worker(rank, world, lengths):
         validate_iteration(it, world, args.num_layers, args.num_attention_heads, args.num_query_groups)
         layouts.add(tuple(sorted((r.tp, r.cp, r.pp) for r in it.replicas)))
         rep = engine.my_replica(it)
-        each, total = engine.padding_for(replica_type_of(rep))
+        each, total = engine.padding_for(rep.replica_type)
         batches = []
         for mb in rep.micro_batches:
             b = build_micro_batch([docs[i] for i in mb.sample_ids], pad_each_to=each, pad_total_to=total)

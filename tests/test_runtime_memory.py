@@ -20,7 +20,7 @@ MANY = ONE + [((0, 1), 2, 1, 1), ((2, 3), 2, 1, 1), ((0, 1), 1, 2, 1), ((2, 3), 
 
 
 def _worker(rank, world, which):
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
     from tests.runtime_helpers import make_engine, tiny_args
 
     pool = {"one": ONE, "many": MANY}[which]

@@ -28,7 +28,7 @@ def _update_error(got, want, init):
 
 
 def _types(layout):
-    from dcp_ext.runtime.groups import ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
 
     return [ReplicaType(tp, cp, pp, tuple(ranks)) for ranks, tp, cp, pp, _ in layout]
 

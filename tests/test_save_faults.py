@@ -66,7 +66,8 @@ def _static(args):
 
 def _engine(args):
     import pretrain_gpt_dcp
-    from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
+    from dcp_ext.runtime.engine import AdaptiveEngine
     from megatron.training.initialize import set_random_seed_without_parallel_state
     from megatron.training.training import build_lr_scheduler, transformer_config_from_args
 

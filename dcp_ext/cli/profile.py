@@ -186,7 +186,8 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
 
     from dcp_ext.compat import mcore_compat
     from dcp_ext.data.progress import Progress
-    from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
+    from dcp_ext.planning.layout import ReplicaType
+    from dcp_ext.runtime.groups import GroupRegistry
 
     device = torch.device("cuda", rank) if job.cuda else None
     sync = torch.cuda.synchronize if job.cuda else (lambda: None)

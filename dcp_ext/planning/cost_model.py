@@ -42,23 +42,11 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec, bucket_numel_for
 
 ATTN_BWD_FACTOR = 2.5  # flash-attention backward / forward FLOPs
 MATMUL_BWD_FACTOR = 2.0
-
-
-class Layout(NamedTuple):
-    tp: int
-    cp: int
-    pp: int
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.cp * self.pp
-
-    def __str__(self) -> str:
-        return f"tp{self.tp}cp{self.cp}pp{self.pp}"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dcp_ext.planning.layout import ReplicaType
+
 SCHEMA = "dcp-plan/v1"
 
 
@@ -32,6 +34,10 @@ class ReplicaPlan:
     def layout(self) -> tuple[int, int, int]:
         return (self.tp, self.cp, self.pp)
 
+    @property
+    def replica_type(self) -> ReplicaType:
+        return ReplicaType(self.tp, self.cp, self.pp, tuple(self.ranks))
+
 
 @dataclass
 class IterationPlan:
@@ -39,6 +45,16 @@ class IterationPlan:
     sample_ids: list[int]  # the global batch, in data order
     replicas: list[ReplicaPlan]
     predicted_time_s: float = 0.0
+
+    def replica_of(self, rank: int) -> ReplicaPlan:
+        for r in self.replicas:
+            if rank in r.ranks:
+                return r
+        raise ValueError(f"iteration {self.index}: rank {rank} is in no replica")
+
+    def layout_key(self) -> tuple[ReplicaType, ...]:
+        """The iteration's replica types in a canonical order: equal keys, equal layouts."""
+        return tuple(sorted((r.replica_type for r in self.replicas), key=lambda t: (t.ranks, t.tp, t.cp, t.pp)))
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from dcp_ext.planning.planners.adaptive import AdaptivePlanner
-from dcp_ext.planning.planners.base import PlannerBase, ReplicaType
+from dcp_ext.planning.layout import ReplicaType
+from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.common import PlanningError, make_type_table
 from dcp_ext.planning.planners.dynamic_cp import DCPPlanner, DynamicCPPlanner
 from dcp_ext.planning.planners.static import StaticPlanner

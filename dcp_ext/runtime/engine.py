@@ -34,7 +34,8 @@ from dcp_ext.compat import mcore_compat
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.runtime.exchange import ParamExchange
 from dcp_ext.runtime.executor import StageRunner, localize
-from dcp_ext.runtime.groups import GroupRegistry, ReplicaType
+from dcp_ext.planning.layout import ReplicaType
+from dcp_ext.runtime.groups import GroupRegistry
 from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
 from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
@@ -66,14 +67,6 @@ class StepResult:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.loss_tokens, 1.0)
-
-
-def layout_key(it: IterationPlan) -> tuple:
-    return tuple(sorted((tuple(r.ranks), r.tp, r.cp, r.pp) for r in it.replicas))
-
-
-def replica_type_of(r) -> ReplicaType:
-    return ReplicaType(r.tp, r.cp, r.pp, tuple(r.ranks))
 
 
 def default_device() -> torch.device:
@@ -314,13 +307,10 @@ class AdaptiveEngine:
 
     # --------------------------------------------------------------------- step
     def my_replica(self, it: IterationPlan):
-        for r in it.replicas:
-            if self.rank in r.ranks:
-                return r
-        raise ValueError(f"iteration {it.index}: rank {self.rank} is in no replica")
+        return it.replica_of(self.rank)
 
     def stage_for(self, it: IterationPlan) -> Stage:
-        rep = replica_type_of(self.my_replica(it))
+        rep = self.my_replica(it).replica_type
         if rep not in self.stages:
             raise KeyError(f"iteration {it.index}: replica {rep} was not registered at start")
         return self.stages[rep]
@@ -342,8 +332,8 @@ class AdaptiveEngine:
         ]
 
     def _layout_plan(self, it: IterationPlan):
-        key = layout_key(it)
-        layout = [self._all_runs[(replica_type_of(r), q)] for q in range(self.world)
+        key = it.layout_key()
+        layout = [self._all_runs[(r.replica_type, q)] for q in range(self.world)
                   for r in it.replicas if q in r.ranks]
         return self.exchange.plan(key, layout)
 

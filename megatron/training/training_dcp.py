@@ -55,9 +55,8 @@ def cluster_for(world_size: int, args=None):
 
 def layout_summary(it) -> str:
     """`layout: tp2·pp2 + 2×tp1 | mb 3/5/5 | recompute 0/12`."""
-    from dcp_ext.runtime.engine import replica_type_of
 
-    labels = Counter(replica_type_of(r).label() for r in it.replicas)
+    labels = Counter(r.replica_type.label() for r in it.replicas)
     layout = " + ".join(f"{n}×{lab}" if n > 1 else lab for lab, n in labels.items())
     mbs = "/".join(str(len(r.micro_batches)) for r in it.replicas)
     all_mbs = [mb for r in it.replicas for mb in r.micro_batches]
@@ -187,7 +186,6 @@ def evaluate(args, engine, planner, valid_ds) -> float:
     """Per-token loss over the first --eval-iters global batches of the validation split."""
     from dcp_ext.data.batches import GlobalBatchStream
     from dcp_ext.data.thd import materialize
-    from dcp_ext.runtime.engine import replica_type_of
 
     stream = GlobalBatchStream(valid_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, limit=len(valid_ds))
     total, tokens = 0.0, 0.0
@@ -198,7 +196,7 @@ def evaluate(args, engine, planner, valid_ds) -> float:
             break
         it = planner.plan_iteration(i, batch.sample_ids, batch.lengths)
         rep = engine.my_replica(it)
-        each, pad_total = engine.padding_for(replica_type_of(rep))
+        each, pad_total = engine.padding_for(rep.replica_type)
         batches = [materialize(valid_ds, mb.sample_ids, pad_each_to=each, pad_total_to=pad_total,
                                eod_mask_loss=args.eod_mask_loss, eod=args.eod_token) for mb in rep.micro_batches]
         loss_sum, n = engine.evaluate(it, batches)
@@ -223,7 +221,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     from dcp_ext.data.thd import materialize, num_loss_tokens
     from dcp_ext.planning.flops import training_flops
     from dcp_ext.planning.plan import iteration_to_json, validate_iteration
-    from dcp_ext.runtime.engine import AdaptiveEngine, ReplicaType, replica_type_of
+    from dcp_ext.runtime.engine import AdaptiveEngine
 
     set_random_seed_without_parallel_state(args.seed)
     cluster = cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data is read
@@ -233,7 +231,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
     planner = build_planner(args, train_ds, cluster)
     eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
-    types = [ReplicaType(tp, cp, pp, tuple(ranks)) for tp, cp, pp, ranks in planner.replica_types()]
+    types = planner.replica_types()
     engine = AdaptiveEngine(
         types,
         lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -284,7 +282,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         validate_iteration(it, args.world_size, args.num_layers, args.num_attention_heads, args.num_query_groups)
         check_memory(planner, it, batch)
         rep = engine.my_replica(it)
-        each, total = engine.padding_for(replica_type_of(rep))
+        each, total = engine.padding_for(rep.replica_type)
         batches = [materialize(train_ds, mb.sample_ids, pad_each_to=each, pad_total_to=total,
                                eod_mask_loss=args.eod_mask_loss, eod=eod) for mb in rep.micro_batches]
         loss_tokens = num_loss_tokens(train_ds, batch.sample_ids, args.eod_mask_loss, eod)

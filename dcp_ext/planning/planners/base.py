@@ -11,11 +11,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout, ReplicaType
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
-ReplicaType = tuple[int, int, int, tuple[int, ...]]
 
 
 class PlannerBase:
@@ -51,7 +51,7 @@ class PlannerBase:
 
     # -------------------------------------------------------------- interface
     def replica_types(self) -> list[ReplicaType]:
-        """Every (tp, cp, pp, ranks) replica any plan of this planner can use."""
+        """Every replica type (layout on ranks) any plan of this planner can use."""
         return list(self._types)
 
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
@@ -72,7 +72,7 @@ class PlannerBase:
     def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
         seen = set(self._types)
         for lay, ranks in placements:
-            key = (lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks))
+            key = ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks))
             if key not in seen:
                 seen.add(key)
                 self._types.append(key)

@@ -1,0 +1,71 @@
+"""The layout vocabulary the planner and the runtime share.
+
+Why it exists: a layout (tp, cp, pp), a replica type (a layout on a fixed set of ranks)
+and a candidate mix (how many replicas of each layout fill the world) are spelled once
+here, frozen, so a plan, a process group and a cost-model entry name the same thing the
+same way and no converter sits between them. Ranks inside a replica are in Megatron's
+order: tp fastest, then cp, then pp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Layout(NamedTuple):
+    tp: int
+    cp: int
+    pp: int
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}cp{self.cp}pp{self.pp}"
+
+
+# a candidate: (layout, number of replicas) pairs whose devices add up to the world
+LayoutMix = tuple[tuple[Layout, int], ...]
+
+
+@dataclass(frozen=True)
+class ReplicaType:
+    """A layout placed on ranks: what a plan's replica runs on and a process group serves."""
+
+    tp: int
+    cp: int
+    pp: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.ranks) != self.tp * self.cp * self.pp:
+            raise ValueError(f"replica {self}: {len(self.ranks)} ranks but tp*cp*pp = {self.tp * self.cp * self.pp}")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.cp, self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, cp_rank, pp_rank) of a global rank inside this replica."""
+        i = self.ranks.index(rank)
+        return i % self.tp, (i // self.tp) % self.cp, i // (self.tp * self.cp)
+
+    def rank_at(self, tp_rank: int, cp_rank: int, pp_rank: int) -> int:
+        return self.ranks[tp_rank + self.tp * (cp_rank + self.cp * pp_rank)]
+
+    def tp_ranks(self, cp_rank: int, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(t, cp_rank, pp_rank) for t in range(self.tp))
+
+    def cp_ranks(self, tp_rank: int, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(tp_rank, c, pp_rank) for c in range(self.cp))
+
+    def pp_ranks(self, tp_rank: int, cp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(tp_rank, cp_rank, p) for p in range(self.pp))
+
+    def tp_cp_ranks(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(self.rank_at(t, c, pp_rank) for c in range(self.cp) for t in range(self.tp))
+
+    def label(self) -> str:
+        parts = [f"{name}{size}" for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if size > 1]
+        return "·".join(parts) or "tp1"
