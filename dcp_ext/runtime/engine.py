@@ -20,10 +20,7 @@ Every tensor lives on the model's device (`device`): NCCL on GPUs, gloo on CPUs.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
+from dcp_ext.data.thd import materialize, num_loss_tokens
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.runtime.exchange import ParamExchange
 from dcp_ext.runtime.executor import StageRunner, localize
@@ -39,9 +37,8 @@ from dcp_ext.runtime.groups import GroupRegistry
 from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
 from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
-
-INIT_CHUNK = 1 << 20  # initial values are drawn per (tensor, chunk): a rank draws only its own
-
+from dcp_ext.runtime.streams import PullStream, PushStream
+from dcp_ext.runtime.initial_values import INIT_CHUNK, init_values, seed_rng_tracker
 
 @dataclass
 class Stage:
@@ -71,6 +68,10 @@ class StepResult:
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class NoTrainableTokens(ValueError):
+    """The global batch has no token whose loss counts (all masked, or one-token samples)."""
 
 
 # Canonical tensors megatron-core's LanguageModule marks `is_embedding_or_output_parameter`
@@ -146,8 +147,8 @@ class AdaptiveEngine:
         reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
         self.exchange = ParamExchange(self.sharding, device=self.device, param_dtype=self.param_dtype,
                                       reduce_dtype=reduce_dtype, mode=exchange, slots=2 if overlap else 1)
-        self._pull: _PullStream | None = None
-        self._push: _PushStream | None = None
+        self._pull: PullStream | None = None
+        self._push: PushStream | None = None
 
     # ------------------------------------------------------------------- building
     def _build_stage(self, rep: ReplicaType, sp: bool, make_config, build_model) -> Stage:
@@ -309,12 +310,6 @@ class AdaptiveEngine:
     def my_replica(self, it: IterationPlan):
         return it.replica_of(self.rank)
 
-    def stage_for(self, it: IterationPlan) -> Stage:
-        rep = self.my_replica(it).replica_type
-        if rep not in self.stages:
-            raise KeyError(f"iteration {it.index}: replica {rep} was not registered at start")
-        return self.stages[rep]
-
     def padding_for(self, rep: ReplicaType) -> tuple[int, int]:
         """(pad_each_to, pad_total_to) a micro-batch needs under this replica type."""
         stage = self.stages[rep]
@@ -322,14 +317,55 @@ class AdaptiveEngine:
         total = rep.tp * rep.cp if stage.sequence_parallel else 1
         return each, total
 
-    def _localize(self, it: IterationPlan, stage: Stage, batches: list) -> list:
+    def train_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
+                        eod: int | None = None) -> StepResult:
+        """One training step of the plan on a document dataset: this rank's micro-batches are
+        fetched, packed, padded and localised here, the loss divisor is the global batch's
+        loss-token count. Raises NoTrainableTokens if the global batch has none."""
+        loss_tokens = num_loss_tokens(dataset, it.sample_ids, eod_mask_loss, eod)
+        if loss_tokens == 0:
+            raise NoTrainableTokens(f"iteration {it.index}: no token of the global batch is trained on")
+        stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
+        return self._step(it, stage, self._localize(stage, plans, batches), loss_tokens)
+
+    def eval_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
+                       eod: int | None = None) -> tuple[float, float]:
+        """Forward only under the plan's layout on a document dataset: (loss sum, loss tokens)."""
+        stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
+        return self._evaluate(it, stage, self._localize(stage, plans, batches))
+
+    def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
+        """One training step on micro-batches packed by the caller (ThdBatch, plan order,
+        padded per `padding_for`); `loss_tokens`: the global batch's loss-token count."""
+        stage, plans = self._stage_of(it)
+        return self._step(it, stage, self._localize(stage, plans, batches), loss_tokens)
+
+    def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
+        """Forward only on micro-batches packed by the caller: (loss sum, loss tokens)."""
+        stage, plans = self._stage_of(it)
+        return self._evaluate(it, stage, self._localize(stage, plans, batches))
+
+    def _stage_of(self, it: IterationPlan) -> tuple[Stage, list]:
+        """This rank's stage for the iteration and its replica's micro-batch plans."""
+        replica = self.my_replica(it)
+        if replica.replica_type not in self.stages:
+            raise KeyError(f"iteration {it.index}: replica {replica.replica_type} was not registered at start")
+        return self.stages[replica.replica_type], replica.micro_batches
+
+    def _packed(self, it: IterationPlan, dataset, eod_mask_loss: bool, eod: int | None) -> tuple[Stage, list, list]:
+        """The replica's micro-batches fetched from the dataset and packed as its type needs."""
+        stage, plans = self._stage_of(it)
+        each, total = self.padding_for(stage.rep)
+        return stage, plans, [materialize(dataset, mb.sample_ids, pad_each_to=each, pad_total_to=total,
+                                          eod_mask_loss=eod_mask_loss, eod=eod) for mb in plans]
+
+    def _localize(self, stage: Stage, plans: list, batches: list) -> list:
+        """This rank's CP chunk and TP slice of each micro-batch, on the device."""
         _, c, _ = stage.rep.coords(self.rank)
         hidden = stage.runner.config.hidden_size
-        return [
-            localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers,
-                     device=self.device)
-            for b, mb in zip(batches, self.my_replica(it).micro_batches)
-        ]
+        return [localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers,
+                         device=self.device)
+                for b, mb in zip(batches, plans)]
 
     def _layout_plan(self, it: IterationPlan):
         key = it.layout_key()
@@ -348,40 +384,34 @@ class AdaptiveEngine:
         dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         return total.tolist() + wait.tolist()
 
-    def _begin_pull(self, it: IterationPlan, stage: Stage):
+    def _begin_pull(self, it: IterationPlan):
         plan = self._layout_plan(it)
-        self._pull = _PullStream(self.exchange, plan, self.optimizer.master(), self.params, self.overlap)
+        self._pull = PullStream(self.exchange, plan, self.optimizer.master(), self.params, self.overlap)
         return plan
 
-    def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
-        """Forward only under the plan's layout: (loss sum, loss tokens) over the batch."""
-        stage = self.stage_for(it)
+    def _evaluate(self, it: IterationPlan, stage: Stage, micro_batches: list) -> tuple[float, float]:
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
-        self._begin_pull(it, stage)
+        self._begin_pull(it)
         try:
-            loss_sum, tokens = stage.runner.evaluate(self._localize(it, stage, batches), self._pull)
+            loss_sum, tokens = stage.runner.evaluate(micro_batches, self._pull)
             self._pull.drain()
         finally:
             self._pull = None
         return tuple(self._reduce(stage, loss_sum, tokens, 0.0, 0.0)[:2])
 
-    def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
-        """One training step. `batches`: this rank's replica's micro-batches (ThdBatch, plan
-        order), padded per `padding_for`; `loss_tokens`: the global batch's loss-token count."""
-        stage = self.stage_for(it)
+    def _step(self, it: IterationPlan, stage: Stage, micro_batches: list, loss_tokens: int) -> StepResult:
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
         moved_before = self.exchange.bytes_pulled + self.exchange.bytes_pushed
         waited_before = self.exchange.wait_s
         t0 = time.perf_counter()
-        plan = self._begin_pull(it, stage)
+        plan = self._begin_pull(it)
         sync_s = time.perf_counter() - t0 if not self.overlap else 0.0
         self.main_grads[: stage.numel].zero_()
         self.optimizer.zero_grad()
         scale = float(self.grad_scaler.scale.item()) if self.grad_scaler is not None else 1.0
-        self._push = _PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, stage.push_buckets,
-                                 self.overlap)
+        self._push = PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, stage.push_buckets,
+                                self.overlap)
         try:
-            micro_batches = self._localize(it, stage, batches)
             loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull, self._push)
             self._pull.drain()
             t1 = time.perf_counter()
@@ -416,114 +446,3 @@ class AdaptiveEngine:
             if self._push is not None and self._push.tracking and lp.pushes_grad:
                 self._push.ready(stage.push_buckets[index])
         return hook
-
-
-class _PullStream:
-    """This step's pull, bucket by bucket in canonical order. Overlapped: `slots` buckets in
-    flight, a layer's pre-forward hook waits for the buckets it needs and starts the next;
-    every rank takes part in every bucket, so a stage that waits on a peer first drains."""
-
-    def __init__(self, exchange: ParamExchange, plan, master, params, overlap: bool):
-        self.exchange, self.plan, self.master, self.params = exchange, plan, master, params
-        self.total = len(plan.pull)
-        self.launched = self.done = 0
-        self.inflight: deque = deque()
-        if not overlap:
-            for b in range(self.total):
-                exchange.start_pull(plan, b, master, params, slot=0).wait()
-            self.launched = self.done = self.total
-        else:
-            self._launch()
-
-    def _launch(self) -> None:
-        while self.launched < self.total and len(self.inflight) < self.exchange.num_slots:
-            b = self.launched
-            self.inflight.append(self.exchange.start_pull(self.plan, b, self.master, self.params,
-                                                          slot=b % self.exchange.num_slots))
-            self.launched += 1
-
-    def need(self, bucket: int) -> None:
-        while self.done <= min(bucket, self.total - 1):
-            self.inflight.popleft().wait()
-            self.done += 1
-            self._launch()
-
-    def drain(self) -> None:
-        self.need(self.total - 1)
-
-
-class _PushStream:
-    """This step's push, bucket by bucket from the last. Overlapped: during the last
-    micro-batch's backward each parameter's final gradient marks its buckets; a bucket is
-    sent once it and every later bucket are complete (the same order on every rank)."""
-
-    def __init__(self, exchange: ParamExchange, plan, grads, grad_shard, push_buckets, overlap: bool):
-        self.exchange, self.plan, self.grads, self.grad_shard = exchange, plan, grads, grad_shard
-        self.overlap = overlap
-        self.tracking = False
-        self.pending = [0] * len(plan.push)
-        for buckets in push_buckets:
-            for b in buckets:
-                self.pending[b] += 1
-        self.next = len(plan.push) - 1
-        self.inflight: deque = deque()
-
-    def last_backward(self) -> None:
-        """The last micro-batch's backward is about to run: from now on gradients are final."""
-        if self.overlap:
-            self.tracking = True
-            self._issue()
-
-    def ready(self, buckets) -> None:
-        for b in buckets:
-            self.pending[b] -= 1
-        self._issue()
-
-    def _issue(self, force: bool = False) -> None:
-        """Send every complete bucket there is a free slot for. Inside backward this never
-        blocks (a full slot waits for a later call): a peer stage may be waiting on this
-        rank's activation gradient before it can join the transfer."""
-        slots = self.exchange.num_slots
-        while self.next >= 0 and (force or self.pending[self.next] <= 0):
-            if len(self.inflight) == slots:
-                if not (force or self.inflight[0].done()):
-                    return
-                self.inflight.popleft().wait()
-            b = self.next
-            self.inflight.append(self.exchange.start_push(self.plan, b, self.grads, self.grad_shard, slot=b % slots))
-            self.next -= 1
-
-    def finish(self) -> None:
-        self.tracking = False
-        self._issue(force=True)
-        while self.inflight:
-            self.inflight.popleft().wait()
-
-
-def seed_rng_tracker(seed: int, iteration: int, tp_rank: int) -> None:
-    """megatron-core's model-parallel RNG tracker is one global; its streams depend on the TP
-    rank, which changes with the layout, so it is re-seeded for every step (Megatron's
-    offsets: +2718 per TP rank for the model-parallel stream)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    tracker.reset()
-    base = seed + 1_000_003 * iteration
-    tracker.add("model-parallel-rng", base + 2718 + tp_rank)
-    tracker.add("data-parallel-rng", base)
-    tracker.add("expert-parallel-rng", base + 1024 + tp_rank)
-
-
-def init_values(name: str, chunk: int, numel: int, seed: int, std: float, num_layers: int,
-                norm_init: float = 1.0) -> torch.Tensor:
-    """Megatron's defaults: norms 1 (0 when zero-centred, --apply-layernorm-1p), biases 0, output
-    projections N(0, std/sqrt(2L)), else N(0, std); drawn per chunk of a tensor from a stream
-    seeded by (seed, name, chunk)."""
-    if name.endswith(".bias"):
-        return torch.zeros(numel)
-    if "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_norm_weight"):
-        return torch.full((numel,), norm_init)
-    scaled = name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight")
-    sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * chunk) % 2**63)
-    return torch.randn(numel, generator=gen) * sigma

@@ -5,7 +5,7 @@ activations with plain point-to-point ops and no shape handshakes. The loss of e
 micro-batch is its token-loss sum times `loss_scale` (1 / the global batch's loss-token
 count), so gradients do not depend on how documents were split (DESIGN.md, "Loss").
 Recompute is chosen per micro-batch by setting the stage config's full-recompute layer
-count before its forward (megatron-core reads it at forward time).
+count for its forward only (megatron-core reads it at forward time; restored after).
 The engine's pull and push streams ride along: every pull must be complete before a
 stage blocks on a peer (its first receive) or sends its first activation, since all
 ranks take part in every bucket; the push starts tracking final gradients when the last
@@ -14,6 +14,7 @@ micro-batch's backward begins.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ def localize(batch, cp: int, cp_rank: int, tp: int, sequence_parallel: bool, hid
                            psp, (seq, 1, hidden), recompute_layers)
 
 
+RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
 def set_recompute(config, layers_in_stage: int, layers: int) -> None:
     if layers <= 0:
         config.recompute_granularity = None
@@ -58,6 +62,21 @@ def set_recompute(config, layers_in_stage: int, layers: int) -> None:
         config.recompute_granularity = "full"
         config.recompute_method = "block"
         config.recompute_num_layers = min(layers, layers_in_stage)
+
+
+@contextmanager
+def recompute_during(config, layers_in_stage: int, layers: int):
+    """Full recompute of `layers` of the stage for one forward. megatron-core reads the
+    recompute fields from the stage's TransformerConfig when a forward decides what to
+    checkpoint, so they are set for that forward only and restored after it: the config
+    the stage was built with is never left changed."""
+    saved = tuple(getattr(config, f) for f in RECOMPUTE_FIELDS)
+    set_recompute(config, layers_in_stage, layers)
+    try:
+        yield
+    finally:
+        for f, v in zip(RECOMPUTE_FIELDS, saved):
+            setattr(config, f, v)
 
 
 class StageRunner:
@@ -77,13 +96,12 @@ class StageRunner:
 
     def _forward(self, mb: LocalMicroBatch, x):
         # the plan's recompute count is for the whole model: this stage's share
-        set_recompute(self.config, self.layers_in_stage,
-                      -(-mb.recompute_layers * self.layers_in_stage // max(self.config.num_layers, 1)))
+        share = -(-mb.recompute_layers * self.layers_in_stage // max(self.config.num_layers, 1))
         if not self.first:
             self.model.set_input_tensor(x)
-        out = self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
-                         packed_seq_params=mb.packed_seq_params)
-        return out
+        with recompute_during(self.config, self.layers_in_stage, share):
+            return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
+                              packed_seq_params=mb.packed_seq_params)
 
     def evaluate(self, micro_batches: list[LocalMicroBatch], pull=None) -> tuple[float, float]:
         """Forward only, stage by stage. Returns (loss sum, loss tokens) on the last stage."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Optional
@@ -28,11 +27,9 @@ from megatron.training.initialize import (
     set_random_seed,
 )
 from megatron.training.data_workers import WorkerBatches
+from megatron.training.errors import TrainingError
 from megatron.training.log import TrainingLogger
-
-
-class TrainingError(RuntimeError):
-    """A condition that stops training with one clear line (NaN streak, missing checkpoint)."""
+from megatron.training.loop import Outcome, run_training
 
 
 def dtype_of(args) -> torch.dtype:
@@ -348,68 +345,70 @@ def loss_scaler_can_back_off(optimizer) -> bool:
 
 def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
           iteration: int, consumed_samples: int, logger: TrainingLogger):
-    from megatron.core import parallel_state
-
-    from megatron.training.batches import collate_fixed_length
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    collate = partial(collate_fixed_length, args=args)
-    history = []
-    nan_streak = 0
     model.train()
     features = LoopFeatures(args)
     attach_timers(config, optimizer, features.timers)
-    workers = WorkerBatches(train_ds, consumed_samples, args, dp_rank, dp_size, collate) if args.num_workers else None
-    while iteration < args.train_iters:
-        features.begin_iteration(iteration)
-        start = time.perf_counter()
-        batches = workers.next_global_batch() if workers else list(
-            micro_batches(train_ds, consumed_samples, args, dp_rank, dp_size, collate))
-        losses, ok, grad_norm = train_step(
-            args, model, optimizer, scheduler, config, forward_step_func, iter(batches),
-            args.num_microbatches, args.seq_length, features=features,
-        )
-        loss = losses["lm loss"]
-        if not math.isfinite(loss):
-            ok = False
+    steps = StaticSteps(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
+                        consumed_samples, logger, features)
+    return run_training(args, steps, iteration, features)
+
+
+class StaticSteps:
+    """One iteration of the static layout: megatron-core's schedule over this DP rank's
+    micro-batches, Megatron's sample order."""
+
+    save_without_progress = True
+
+    def __init__(self, args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
+                 consumed_samples, logger, features):
+        from megatron.core import parallel_state
+
+        from megatron.training.batches import collate_fixed_length
+
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.config, self.forward_step_func, self.logger, self.features = config, forward_step_func, logger, features
+        self.train_ds, self.valid_ds, self.consumed_samples = train_ds, valid_ds, consumed_samples
+        self.has_validation = valid_ds is not None
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.collate = partial(collate_fixed_length, args=args)
+        self.workers = WorkerBatches(train_ds, consumed_samples, args, self.dp_rank, self.dp_size,
+                                     self.collate) if args.num_workers else None
+        self.batches, self.losses, self.grad_norm = [], {}, None
+
+    def run(self, iteration: int) -> Outcome:
+        args = self.args
+        self.batches = self.workers.next_global_batch() if self.workers else list(
+            micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate))
+        self.losses, ok, self.grad_norm = train_step(
+            args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
+            args.num_microbatches, args.seq_length, features=self.features)
+        loss = self.losses["lm loss"]
+        self.consumed_samples += args.global_batch_size
         # An overflow that the dynamic loss scaler (--fp16) answers by backing off is a normal
         # skipped iteration, as in Megatron; it is a NaN/inf iteration once the scale is at its floor.
-        bad = not ok and not (math.isfinite(loss) and loss_scaler_can_back_off(optimizer))
-        nan_streak = nan_streak + 1 if bad else 0
-        if nan_streak >= args.max_nan_iterations:
-            raise TrainingError(
-                f"{nan_streak} NaN/inf iterations in a row at iteration {iteration + 1}: lower --lr, "
-                "check the data, or raise --max-nan-iterations"
-            )
-        iteration += 1
-        consumed_samples += args.global_batch_size
-        elapsed = time.perf_counter() - start
-        flops = torch.tensor(logger.flops([n for b in batches for n in b["doc_lengths"]]), dtype=torch.float64)
-        dist.all_reduce(flops, group=parallel_state.get_data_parallel_group())
-        logger.log_iteration(
-            iteration, consumed_samples, elapsed, losses, scheduler, optimizer, grad_norm, ok,
-            flops.item(), args.global_batch_size,
-        )
-        history.append((iteration, loss))
-        features.end_iteration(iteration)
-        if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
-            features.eval_boundary()
-            evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds,
-                             iteration, collate, dp_rank, dp_size, logger)
-            features.eval_boundary()
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            break
-        if features.should_exit(iteration):  # exit signal or duration: the save below, then exit 0
-            break
-    features.finish()
-    if workers:
-        workers.close()
-    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        checkpointing.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
-    return history
+        finite = math.isfinite(loss)
+        return Outcome(loss, ok and finite, finite and not ok and loss_scaler_can_back_off(self.optimizer))
+
+    def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
+        flops = torch.tensor(self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]), dtype=torch.float64)
+        dist.all_reduce(flops, group=self.dp_group)
+        self.logger.log_iteration(iteration, self.consumed_samples, elapsed_s, self.losses, self.scheduler,
+                                  self.optimizer, self.grad_norm, outcome.applied, flops.item(),
+                                  self.args.global_batch_size)
+
+    def evaluate(self, iteration: int) -> None:
+        evaluate_and_log(self.args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func,
+                         self.valid_ds, iteration, self.collate, self.dp_rank, self.dp_size, self.logger)
+
+    def save(self, iteration: int) -> None:
+        checkpointing.save_checkpoint(self.args, iteration, self.consumed_samples, self.model, self.optimizer,
+                                      self.scheduler)
+
+    def close(self) -> None:
+        if self.workers:
+            self.workers.close()
 
 
 def evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds, iteration,

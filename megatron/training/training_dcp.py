@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import checkpointing_dcp
+from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.log import TrainingLogger
+from megatron.training.loop import Outcome, run_training
 from megatron.training.loop_features import LoopFeatures
 
 
@@ -53,11 +55,15 @@ def cluster_for(world_size: int, args=None):
                        gpus_per_node=max(1, min(per_node, world_size)), gpu=gpu)
 
 
+def layout_label(it) -> str:
+    """`tp2·pp2 + 2×tp1`: the iteration's replicas by type."""
+    labels = Counter(r.replica_type.label() for r in it.replicas)
+    return " + ".join(f"{n}×{lab}" if n > 1 else lab for lab, n in labels.items())
+
+
 def layout_summary(it) -> str:
     """`layout: tp2·pp2 + 2×tp1 | mb 3/5/5 | recompute 0/12`."""
-
-    labels = Counter(r.replica_type.label() for r in it.replicas)
-    layout = " + ".join(f"{n}×{lab}" if n > 1 else lab for lab, n in labels.items())
+    layout = layout_label(it)
     mbs = "/".join(str(len(r.micro_batches)) for r in it.replicas)
     all_mbs = [mb for r in it.replicas for mb in r.micro_batches]
     recomputed = sum(1 for mb in all_mbs if mb.recompute_layers > 0)
@@ -169,23 +175,9 @@ def build_planner(args, train_ds, cluster=None):
     return planner
 
 
-def check_memory(planner, it, batch) -> None:
-    """The planner promises every micro-batch fits (device memory less --dcp-memory-margin);
-    check the promise before running it, so a planning bug is an error, not an OOM."""
-    from dcp_ext.planning.simulator import simulate_iteration
-
-    result = simulate_iteration(planner.cm, it, dict(zip(batch.sample_ids, batch.lengths)))
-    if not result.memory_ok:
-        from megatron.training.training import TrainingError
-
-        raise TrainingError(f"iteration {it.index}: the plan needs {result.peak_memory_fraction:.0%} of device memory, "
-                            "over the budget: raise --dcp-memory-margin headroom or report this planner bug")
-
-
 def evaluate(args, engine, planner, valid_ds) -> float:
     """Per-token loss over the first --eval-iters global batches of the validation split."""
     from dcp_ext.data.batches import GlobalBatchStream
-    from dcp_ext.data.thd import materialize
 
     stream = GlobalBatchStream(valid_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, limit=len(valid_ds))
     total, tokens = 0.0, 0.0
@@ -194,12 +186,8 @@ def evaluate(args, engine, planner, valid_ds) -> float:
             batch = stream.next()
         except StopIteration:
             break
-        it = planner.plan_iteration(i, batch.sample_ids, batch.lengths)
-        rep = engine.my_replica(it)
-        each, pad_total = engine.padding_for(rep.replica_type)
-        batches = [materialize(valid_ds, mb.sample_ids, pad_each_to=each, pad_total_to=pad_total,
-                               eod_mask_loss=args.eod_mask_loss, eod=args.eod_token) for mb in rep.micro_batches]
-        loss_sum, n = engine.evaluate(it, batches)
+        it = planner.plan(i, batch.sample_ids, batch.lengths)
+        loss_sum, n = engine.eval_iteration(it, valid_ds, eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
         total, tokens = total + loss_sum, tokens + n
     return total / max(tokens, 1.0)
 
@@ -217,10 +205,6 @@ def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
 
 
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
-    from dcp_ext.data.batches import GlobalBatchStream
-    from dcp_ext.data.thd import materialize, num_loss_tokens
-    from dcp_ext.planning.flops import training_flops
-    from dcp_ext.planning.plan import iteration_to_json, validate_iteration
     from dcp_ext.runtime.engine import AdaptiveEngine
 
     set_random_seed_without_parallel_state(args.seed)
@@ -230,7 +214,6 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
 
     args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
     planner = build_planner(args, train_ds, cluster)
-    eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
     types = planner.replica_types()
     engine = AdaptiveEngine(
         types,
@@ -253,93 +236,97 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     iteration, consumed = 0, 0
     if args.load:
         iteration, consumed = checkpointing_dcp.load(args, engine, scheduler, planner)
-    stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, consumed_samples=consumed)
     logger = TrainingLogger(args)
-    eod = args.eod_token
-    history = []
-    nan_streak = 0
-    planning = ThreadPoolExecutor(max_workers=1)
-
-    def plan(index, batch):
-        t0 = time.perf_counter()
-        it = planner.plan_iteration(index, batch.sample_ids, batch.lengths)
-        return it, time.perf_counter() - t0
-
-    upcoming = None
-    window_layouts = Counter()
-    start_iteration, planner_state = iteration, planner.state_dict()
     features = LoopFeatures(args, adaptive=True)
-    while iteration < args.train_iters:
-        features.begin_iteration(iteration)
-        start = time.perf_counter()
-        batch = stream.next()
-        it, plan_s = upcoming.result() if upcoming is not None else plan(iteration, batch)
-        if list(it.sample_ids) != list(batch.sample_ids):
-            raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
-        planner_state = planner.state_dict()  # as of this iteration's plan, before the next is made
-        ahead = stream.peek(1)
-        upcoming = planning.submit(plan, iteration + 1, ahead[0]) if ahead and iteration + 1 < args.train_iters else None
-        validate_iteration(it, args.world_size, args.num_layers, args.num_attention_heads, args.num_query_groups)
-        check_memory(planner, it, batch)
-        rep = engine.my_replica(it)
-        each, total = engine.padding_for(rep.replica_type)
-        batches = [materialize(train_ds, mb.sample_ids, pad_each_to=each, pad_total_to=total,
-                               eod_mask_loss=args.eod_mask_loss, eod=eod) for mb in rep.micro_batches]
-        loss_tokens = num_loss_tokens(train_ds, batch.sample_ids, args.eod_mask_loss, eod)
-        if loss_tokens == 0:
-            from megatron.training.training import TrainingError
-
-            raise TrainingError(no_loss_tokens_message(args, iteration + 1, train_ds, batch))
-        with features.timer("adaptive-step"):
-            result = engine.step(it, batches, loss_tokens)
-        ok = result.update_successful and math.isfinite(result.loss)
-        if ok:
-            scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
-        overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
-        nan_streak = 0 if (ok or overflow) else nan_streak + 1
-        if nan_streak >= args.max_nan_iterations:
-            from megatron.training.training import TrainingError
-
-            raise TrainingError(f"{nan_streak} NaN/inf iterations in a row at iteration {iteration + 1}: lower --lr, "
-                                "check the data, or raise --max-nan-iterations")
-        iteration += 1
-        elapsed = time.perf_counter() - start
-        flops = training_flops(batch.lengths, **logger.model_shape())
-        summary = layout_summary(it)
-        window_layouts[summary.split(" | ")[0][len("layout: "):]] += 1
-        extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
-                 f"{1000 * elapsed:.1f} | plan (ms): {1000 * plan_s:.1f} | exposed comm (ms): "
-                 f"{1000 * result.exposed_comm_s:.1f} | tokens: {sum(batch.lengths)} |")
-        if iteration % args.log_interval == 0:
-            if args.log_interval > 1:
-                extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in window_layouts.items()) + " |"
-            window_layouts.clear()
-        logger.log_iteration(iteration, stream.consumed_samples, elapsed, {"lm loss": result.loss}, scheduler,
-                             engine.optimizer, result.grad_norm, ok, flops, len(batch.sample_ids), extra=extra,
-                             record={"tokens": sum(batch.lengths), "elapsed_s": elapsed,
-                                     "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
-                                     "layout": summary})
-        history.append((iteration, result.loss))
-        features.end_iteration(iteration)
-        if valid_ds is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
-            features.eval_boundary()
-            loss = evaluate(args, engine, eval_planner, valid_ds)
-            logger.log_validation(iteration, loss)
-            features.eval_boundary()
-        if args.dcp_log_plan and dist.get_rank() == 0:
-            with open(args.dcp_log_plan, "a") as f:
-                f.write(json.dumps(iteration_to_json(it)) + "\n")
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler, planner_state)
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            break
-        if features.should_exit(iteration):  # exit signal or duration: the save below, then exit 0
-            break
-    features.finish()
-    planning.shutdown(wait=True)
-    just_saved = args.save_interval and iteration % args.save_interval == 0
-    if args.save and iteration > start_iteration and not just_saved:
-        checkpointing_dcp.save(args, iteration, stream.consumed_samples, engine, scheduler, planner_state)
+    steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features)
+    history = run_training(args, steps, iteration, features)
     logger.close()
     dist.barrier()
     return history
+
+
+class AdaptiveSteps:
+    """One iteration of the adaptive runtime: the planner's plan for the next global batch
+    (the one after it planned in a background thread meanwhile), run by the engine."""
+
+    save_without_progress = False
+
+    def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features):
+        from dcp_ext.data.batches import GlobalBatchStream
+
+        self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
+        self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
+        self.has_validation = valid_ds is not None
+        self.eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
+        self.stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len,
+                                        consumed_samples=consumed)
+        self.planning = ThreadPoolExecutor(max_workers=1)
+        self.upcoming = None
+        self.planner_state = planner.state_dict()  # as of the last plan run, before the next is made
+        self.window_layouts = Counter()
+        self.batch = self.it = self.result = None
+        self.plan_s = 0.0
+
+    def _plan(self, index, batch):
+        t0 = time.perf_counter()
+        it = self.planner.plan(index, batch.sample_ids, batch.lengths)
+        return it, time.perf_counter() - t0
+
+    def run(self, iteration: int) -> Outcome:
+        from dcp_ext.runtime.engine import NoTrainableTokens
+
+        args = self.args
+        self.batch = batch = self.stream.next()
+        self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
+        if list(self.it.sample_ids) != list(batch.sample_ids):
+            raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
+        self.planner_state = self.planner.state_dict()
+        ahead = self.stream.peek(1)
+        more = ahead and iteration + 1 < args.train_iters
+        self.upcoming = self.planning.submit(self._plan, iteration + 1, ahead[0]) if more else None
+        try:
+            with self.features.timer("adaptive-step"):
+                self.result = result = self.engine.train_iteration(self.it, self.train_ds,
+                                                                   eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
+        except NoTrainableTokens:
+            raise TrainingError(no_loss_tokens_message(args, iteration + 1, self.train_ds, batch)) from None
+        ok = result.update_successful and math.isfinite(result.loss)
+        if ok:
+            self.scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
+        overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
+        return Outcome(result.loss, ok, bool(overflow))
+
+    def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
+        from dcp_ext.planning.flops import training_flops
+        from dcp_ext.planning.plan import iteration_to_json
+
+        args, it, batch, result = self.args, self.it, self.batch, self.result
+        flops = training_flops(batch.lengths, **self.logger.model_shape())
+        summary = layout_summary(it)
+        self.window_layouts[layout_label(it)] += 1
+        extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
+                 f"{1000 * elapsed_s:.1f} | plan (ms): {1000 * self.plan_s:.1f} | exposed comm (ms): "
+                 f"{1000 * result.exposed_comm_s:.1f} | tokens: {sum(batch.lengths)} |")
+        if iteration % args.log_interval == 0:
+            if args.log_interval > 1:
+                extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in self.window_layouts.items()) + " |"
+            self.window_layouts.clear()
+        self.logger.log_iteration(iteration, self.stream.consumed_samples, elapsed_s, {"lm loss": result.loss},
+                                  self.scheduler, self.engine.optimizer, result.grad_norm, outcome.applied, flops,
+                                  len(batch.sample_ids), extra=extra,
+                                  record={"tokens": sum(batch.lengths), "elapsed_s": elapsed_s,
+                                          "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
+                                          "layout": summary})
+        if args.dcp_log_plan and dist.get_rank() == 0:
+            with open(args.dcp_log_plan, "a") as f:
+                f.write(json.dumps(iteration_to_json(it)) + "\n")
+
+    def evaluate(self, iteration: int) -> None:
+        self.logger.log_validation(iteration, evaluate(self.args, self.engine, self.eval_planner, self.valid_ds))
+
+    def save(self, iteration: int) -> None:
+        checkpointing_dcp.save(self.args, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
+                               self.planner_state)
+
+    def close(self) -> None:
+        self.planning.shutdown(wait=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, ReplicaType
-from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.planning.plan import IterationPlan, validate_iteration
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
@@ -56,6 +56,22 @@ class PlannerBase:
 
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
         raise NotImplementedError
+
+    def plan(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
+        """`plan_iteration` with its post-conditions checked: a valid plan of this world and
+        model, whose every micro-batch fits device memory (less the margin) by the
+        simulator's account. A planning bug is then a PlanningError, never an OOM."""
+        from dcp_ext.planning.planners.common import PlanningError
+        from dcp_ext.planning.simulator import simulate_iteration
+
+        it = self.plan_iteration(index, sample_ids, lengths)
+        m = self.model
+        validate_iteration(it, self.cluster.num_gpus, m.num_layers, m.num_attention_heads, m.num_query_groups)
+        result = simulate_iteration(self.cm, it, dict(zip((int(i) for i in sample_ids), (int(n) for n in lengths))))
+        if not result.memory_ok:
+            raise PlanningError(f"iteration {it.index}: the plan needs {result.peak_memory_fraction:.0%} of device "
+                                "memory, over the budget: raise --dcp-memory-margin headroom or report this planner bug")
+        return it
 
     def describe(self) -> str:
         return self.name
