@@ -3,7 +3,8 @@
 Why it exists: a layout (tp, cp, pp), a replica type (a layout on a fixed set of ranks)
 and a candidate mix (how many replicas of each layout fill the world) are spelled once
 here, frozen, so a plan, a process group and a cost-model entry name the same thing the
-same way and no converter sits between them. Ranks inside a replica are in Megatron's
+same way and no converter sits between them. The fixed sharding's bucket size is here
+too: the cost model charges the buckets the runtime's sharding cuts. Ranks inside a replica are in Megatron's
 order: tp fastest, then cp, then pp.
 """
 from __future__ import annotations
@@ -23,6 +24,16 @@ class Layout(NamedTuple):
 
     def __str__(self) -> str:
         return f"tp{self.tp}cp{self.cp}pp{self.pp}"
+
+
+def bucket_numel_for(num_params: int, requested: int = 0) -> int:
+    """Elements per bucket of the runtime's fixed sharding: `requested` (--ddp-bucket-size)
+    or Megatron's 40M for large models; mid-size models get 8 buckets (the exchange buffers
+    are one bucket: a 100M model would otherwise hold 800 MB of them), models under 1M
+    elements one (each bucket is a collective: latency on CPUs)."""
+    if requested:
+        return int(requested)
+    return max(min(40_000_000, -(-num_params // 8)), min(num_params, 1_000_000), 1)
 
 
 # a candidate: (layout, number of replicas) pairs whose devices add up to the world

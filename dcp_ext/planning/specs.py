@@ -14,6 +14,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from dcp_ext.planning.layout import bucket_numel_for  # noqa: F401  (re-exported: the cost model reads it here)
+
 GiB = 1024**3
 
 
@@ -257,16 +259,6 @@ class ModelSpec:
 
     def with_(self, **changes: Any) -> "ModelSpec":
         return replace(self, **changes)
-
-
-def bucket_numel_for(num_params: int, requested: int = 0) -> int:
-    """Elements per bucket of the runtime's fixed sharding: `requested` (--ddp-bucket-size)
-    or Megatron's 40M for large models; mid-size models get 8 buckets (the exchange buffers
-    are one bucket: a 100M model would otherwise hold 800 MB of them), models under 1M
-    elements one (each bucket is a collective: latency on CPUs)."""
-    if requested:
-        return int(requested)
-    return max(min(40_000_000, -(-num_params // 8)), min(num_params, 1_000_000), 1)
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_ext.planning.specs import bucket_numel_for
+from dcp_ext.planning.layout import bucket_numel_for
 
 
 def even_split(numel: int, parts: int) -> list[tuple[int, int]]:
