@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing_dcp
+from megatron.training import checkpointing_adaptive as checkpointing_dcp
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.log import TrainingLogger
 from megatron.training.loop_features import LoopFeatures
