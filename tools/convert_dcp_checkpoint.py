@@ -120,7 +120,8 @@ def load_common(path: str) -> dict:
 
 def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     """Megatron flags for the static model at (T, P): checkpoint args < --yaml-cfg < command line."""
-    from megatron.training.arguments import _dest_names, build_parser, fill_derived, parse_flags, validate_args
+    from megatron.training.argument_yaml import dest_names as _dest_names
+    from megatron.training.arguments import build_parser, fill_derived, parse_flags, validate_args
 
     parser = build_parser()
     dests = _dest_names(parser)
