@@ -1,6 +1,6 @@
 """Fault injection: a save killed at each of its filesystem steps never loses the checkpoint.
 
-`megatron/training/checkpointing.py` names every step of a save (`FAULT_POINTS`); with
+`megatron/training/checkpoint_protocol.py` names every step of a save (`FAULT_POINTS`); with
 `DCP_FAULT_INJECT=<step>` the process dies there (`os._exit`, as a kill -9 would). For
 both checkpoint kinds (static torch_dist and `--dcp`'s fixed sharding) and three saves
 
@@ -215,8 +215,8 @@ def _serve() -> None:
 if __name__ != "__main__":
     import pytest
 
-    from megatron.training.checkpointing import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
-                                                 read_tracker)
+    from megatron.training.checkpoint_protocol import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
+                                                       read_tracker)
     from tests.helpers import REPO, ForkServerClient
 
     pytestmark = pytest.mark.dist
@@ -304,7 +304,7 @@ if __name__ != "__main__":
         """The list the test walks is the list the save passes (a renamed or new step fails here)."""
         import re
 
-        src = open(os.path.join(REPO, "megatron", "training", "checkpointing.py")).read()
+        src = open(os.path.join(REPO, "megatron", "training", "checkpoint_protocol.py")).read()
         assert sorted(set(re.findall(r'_fault_point\("(\w+)"\)', src))) == sorted(FAULT_POINTS)
 
     @pytest.mark.parametrize("kind,scenario,point", list(_cases()))
