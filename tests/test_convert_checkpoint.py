@@ -1,5 +1,5 @@
 """tools/convert_dcp_checkpoint.py: a --dcp checkpoint exported as a plain Megatron TP/PP
-checkpoint is the same model, and the static path loads it (issue 6, the export).
+checkpoint is the same model, and the static path loads it.
 
 One short adaptive run (2 ranks) saves a checkpoint whose vocabulary padding (384 rows:
 256 ids, divisible-by 96, every TP the planner may choose on 2 ranks: {1, 2}) differs from
