@@ -1,5 +1,5 @@
 """Bad inputs, as a table: each ends with one clear `error:` line and a non-zero exit, and
-loses nothing (issue 6).
+loses nothing.
 
 Why a table: every row is one way a user or a machine can get a run wrong (flags, layouts,
 YAML, data files, --dcp limits, checkpoints, NaN/inf loss, a rank that dies), with the
@@ -239,7 +239,7 @@ CASES = [
     Case("nan-loss-dcp", NAN, "NaN/inf iterations in a row", base="dcp"),
 ]
 
-# No lost work (issue 12, defects 1-2): every path the run writes is checked before training
+# No lost work: every path the run writes is checked before training
 # starts (megatron/training/preflight.py), and the loader never takes a save's leftovers for a
 # checkpoint. {out}: a file `afile`, a read-only dir `ro`, a full file system `full`, and
 # checkpoint directories a crashed save could leave (make_output_fixtures, below).
@@ -335,8 +335,8 @@ def make_output_fixtures(root: str, static_ckpt: str, on_teardown) -> tuple[str,
         unavailable["full"] = "needs root to mount a 64 KiB tmpfs (a full disk)"
     return root, unavailable
 
-# Validation (issue 12, defects 3-11): the whole configuration is checked in one place
-# (arguments.validate_args: ranges, relations, YAML types, input-file syntax), token ids where
+# Validation: the whole configuration is checked in one place
+# (argument_checks.validate_args: ranges, relations, YAML types, input-file syntax), token ids where
 # each micro-batch is built, checkpoints by an inspector that names the missing or damaged
 # file, OS errors said as such; and the planning tools (tool="plan"/"simulate": dcp-plan and
 # dcp-simulate run instead of training). {val}: files made by make_validation_fixtures, below.

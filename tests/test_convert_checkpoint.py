@@ -1,5 +1,5 @@
 """tools/convert_dcp_checkpoint.py: a --dcp checkpoint exported as a plain Megatron TP/PP
-checkpoint is the same model, and the static path loads it (issue 6, the export).
+checkpoint is the same model, and the static path loads it.
 
 One short adaptive run (2 ranks) saves a checkpoint whose vocabulary padding (384 rows:
 256 ids, divisible-by 96, every TP the planner may choose on 2 ranks: {1, 2}) differs from
@@ -79,7 +79,7 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from megatron.training.batches import collate_fixed_length
-    from megatron.training.checkpointing import checkpoint_dir, read_tracker
+    from megatron.training.checkpoint_protocol import checkpoint_dir, read_tracker
     from megatron.training.initialize import set_random_seed
     from megatron.training.training import micro_batches, transformer_config_from_args
 

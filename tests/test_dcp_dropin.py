@@ -102,7 +102,8 @@ def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
 
 
 def test_optimizer_flags_the_fixed_sharding_cannot_run_are_refused():
-    from megatron.training.arguments import ArgumentError, check_dcp_optimizer
+    from megatron.training.argument_checks import check_dcp_optimizer
+    from megatron.training.arguments import ArgumentError
 
     args = _parse(["--dcp"])
     args.optimizer_cpu_offload = True  # as upstream's parser would set it

@@ -1,6 +1,6 @@
 """Fault injection: a save killed at each of its filesystem steps never loses the checkpoint.
 
-`megatron/training/checkpointing.py` names every step of a save (`FAULT_POINTS`); with
+`megatron/training/checkpoint_protocol.py` names every step of a save (`FAULT_POINTS`); with
 `DCP_FAULT_INJECT=<step>` the process dies there (`os._exit`, as a kill -9 would). For
 both checkpoint kinds (static torch_dist and `--dcp`'s fixed sharding) and three saves
 
@@ -10,7 +10,7 @@ both checkpoint kinds (static torch_dist and `--dcp`'s fixed sharding) and three
              (a relaunch of a finished job, or a resume that re-reaches a saved iteration)
 
 the save is killed at every step it reaches, in turn; then the real loader
-(`load_checkpoint` / `checkpointing_dcp.load`) runs on the directory and must load the
+(`load_checkpoint` / `checkpointing_adaptive.load`) runs on the directory and must load the
 newest checkpoint that completed (the new one once the commit step has passed: the tracker
 for a new iteration, the rename into place for a re-save; the previous one before), with
 its exact weights, iteration and consumed samples. A further save from that state must
@@ -94,7 +94,7 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
     """Save `iteration` with every weight (and the dcp master) equal to `tag`."""
     import torch
 
-    from megatron.training import checkpointing, checkpointing_dcp
+    from megatron.training import checkpointing, checkpointing_adaptive
 
     args = _args(kind, root)
     if kind == "static":
@@ -110,13 +110,13 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
     else:
         engine, scheduler = _engine(args)
         engine.optimizer.set_master(torch.full_like(engine.optimizer.master(), tag))
-        checkpointing_dcp.save(args, iteration, iteration * GBS, engine, scheduler, {"tag": tag})
+        checkpointing_adaptive.save(args, iteration, iteration * GBS, engine, scheduler, {"tag": tag})
 
 
 def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
     """The real loader on `root`: what it loaded (iteration, consumed, the distinct weight
     values), written to `result`; then, with `then_save`, a plain save of the next iteration."""
-    from megatron.training import checkpointing, checkpointing_dcp
+    from megatron.training import checkpointing, checkpointing_adaptive
 
     args = _args(kind, root)
     if kind == "static":
@@ -127,7 +127,7 @@ def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
     else:
         engine, scheduler = _engine(args)
         planner = _Planner()
-        iteration, consumed = checkpointing_dcp.load(args, engine, scheduler, planner)
+        iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
         values = sorted({float(v) for v in engine.optimizer.master().unique()})
         planner_tag = (planner.state or {}).get("tag")
     loaded = {"iteration": iteration, "consumed": consumed, "values": values[:3], "planner_tag": planner_tag}
@@ -142,7 +142,7 @@ def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
                 optimizer.step()
             checkpointing.save_checkpoint(args, nxt, nxt * GBS, model, optimizer, scheduler)
         else:
-            checkpointing_dcp.save(args, nxt, nxt * GBS, engine, scheduler, {"tag": planner_tag})
+            checkpointing_adaptive.save(args, nxt, nxt * GBS, engine, scheduler, {"tag": planner_tag})
     return loaded
 
 
@@ -181,7 +181,7 @@ def _serve() -> None:
     from dcp_ext.compat import cpu_compat  # noqa: F401
     from dcp_ext.runtime import model  # noqa: F401
     from dcp_ext.runtime import engine  # noqa: F401
-    from megatron.training import checkpointing_dcp, training  # noqa: F401
+    from megatron.training import checkpointing_adaptive, training  # noqa: F401
 
     gc.freeze()  # megatron-core's save calls gc.collect(): keep the imported heap out of it
     print(json.dumps({"ready": True}), flush=True)
@@ -215,8 +215,8 @@ def _serve() -> None:
 if __name__ != "__main__":
     import pytest
 
-    from megatron.training.checkpointing import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
-                                                 read_tracker)
+    from megatron.training.checkpoint_protocol import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
+                                                       read_tracker)
     from tests.helpers import REPO, ForkServerClient
 
     pytestmark = pytest.mark.dist
@@ -304,7 +304,7 @@ if __name__ != "__main__":
         """The list the test walks is the list the save passes (a renamed or new step fails here)."""
         import re
 
-        src = open(os.path.join(REPO, "megatron", "training", "checkpointing.py")).read()
+        src = open(os.path.join(REPO, "megatron", "training", "checkpoint_protocol.py")).read()
         assert sorted(set(re.findall(r'_fault_point\("(\w+)"\)', src))) == sorted(FAULT_POINTS)
 
     @pytest.mark.parametrize("kind,scenario,point", list(_cases()))

@@ -1,4 +1,4 @@
-"""Checks that stop bad input where it can first be seen (issue 12): token ids as micro-batches
+"""Checks that stop bad input where it can first be seen: token ids as micro-batches
 are read, SFT data with nothing to train, ranks on different versions of the data, a data
 cache cut short, data preprocessed with another tokenizer, OS errors said as such."""
 import errno

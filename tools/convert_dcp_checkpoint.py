@@ -16,7 +16,7 @@ How: T*P gloo ranks on the CPU, GPUs hidden (spawned by this script, or the rank
 path's model), map every local parameter into the canonical space with
 `dcp_ext.runtime.param_map.map_stage` (the same map the adaptive runtime pulls with), fill
 it from the checkpoint's canonical tensors, and save with
-`megatron.training.checkpointing.save_sharded_atomic` (the tracker only ever names a
+`megatron.training.checkpoint_protocol.save_sharded_atomic` (the tracker only ever names a
 complete export).
 
 What is written: the model only (`args`, `checkpoint_version`, `iteration`,
@@ -85,7 +85,7 @@ def parse_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
-    from megatron.training import checkpointing as ckpt
+    from megatron.training import checkpoint_protocol as ckpt
 
     if not os.path.isdir(load):
         raise ConversionError(f"--load {load}: no such directory")
@@ -95,7 +95,7 @@ def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
             hint = (" (this looks like an iter_XXXXXXX directory: pass its parent)"
                     if os.path.isfile(os.path.join(load, "metadata.json")) else "")
             raise ConversionError(f"--load {load}: no {ckpt.TRACKER} found{hint}; or name one with --iteration N")
-    # iter_N, or iter_N.old where a re-save was interrupted (checkpointing.find_checkpoint)
+    # iter_N, or iter_N.old where a re-save was interrupted (checkpoint_protocol.find_checkpoint)
     path = ckpt.find_checkpoint(load, iteration) or ckpt.checkpoint_dir(load, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")) or not os.path.isfile(os.path.join(path, "common.pt")):
         raise ConversionError(f"--load {load}: iteration {iteration}: {path} is missing or incomplete")
@@ -120,7 +120,8 @@ def load_common(path: str) -> dict:
 
 def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     """Megatron flags for the static model at (T, P): checkpoint args < --yaml-cfg < command line."""
-    from megatron.training.arguments import _dest_names, build_parser, fill_derived, parse_flags, validate_args
+    from megatron.training.argument_yaml import dest_names as _dest_names
+    from megatron.training.arguments import build_parser, fill_derived, parse_flags, validate_args
 
     parser = build_parser()
     dests = _dest_names(parser)
@@ -218,7 +219,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from dcp_ext.runtime.param_map import CanonicalSpace, map_stage
-    from megatron.training import checkpointing as ckpt
+    from megatron.training import checkpoint_protocol as ckpt
     from megatron.training import global_vars
     from megatron.training.training import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider

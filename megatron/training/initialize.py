@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.compat import cpu_compat, mcore_compat
+from megatron.training.argument_errors import ArgumentError
 
 
 def _free_port() -> int:
@@ -39,8 +40,6 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
     except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        from megatron.training.arguments import ArgumentError
-
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "?")
         raise ArgumentError(f"MASTER_PORT {port} on {addr} is already in use (another job on this machine?): "
                             "set MASTER_PORT to a free port, or pass torchrun --master-port") from None

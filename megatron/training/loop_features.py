@@ -206,22 +206,3 @@ def open_wandb(args):
     os.makedirs(save_dir, exist_ok=True)
     wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project, config=vars(args))
     return wandb
-
-
-def check_saved_parts(args, common: dict, path: str) -> None:
-    """A checkpoint saved with --no-save-optim / --no-save-rng lacks those parts: the load must
-    be told not to read them (upstream stops the same way), in one line."""
-    saved = common.get("args")
-    missing, flags = [], []
-    load_optim = not (args.no_load_optim or args.finetune)
-    if load_optim and getattr(saved, "no_save_optim", False):
-        missing.append("optimizer state")
-        flags.append("--no-load-optim")
-    if not (args.no_load_rng or args.finetune) and getattr(saved, "no_save_rng", False) and not args.dcp:
-        missing.append("RNG state")
-        flags.append("--no-load-rng")
-    if missing:
-        from megatron.training.checkpointing import CheckpointError
-
-        raise CheckpointError(f"{path} was saved with {' '.join(f.replace('load', 'save') for f in flags)}: it has "
-                              f"no {' and no '.join(missing)}; resume with {' '.join(flags)} (or --finetune)")

@@ -3,7 +3,8 @@
 Why a module of its own: the static loop (`training.train`) and the adaptive loop
 (`training_dcp.train_adaptive`) honour the same upstream flags (sample-based schedules,
 decoupled LR, exit conditions, profiling, checkpoint contents), so their parsing and
-validation live here once and `arguments.py` calls in with one line per hook.
+validation live here once; the parser (`arguments`) and its checks (`argument_checks`)
+call in with one line per hook.
 Runtime behaviour is in `loop_features`.
 """
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import signal
+
+from megatron.training import checkpoint_protocol as ckpt
+from megatron.training.argument_errors import ArgumentError
+from megatron.training.checkpoint_inspector import load_common_or_explain
 
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")  # upstream's choices; we write torch_dist
 SIGNAL_NAMES = tuple(s.name for s in signal.Signals)
@@ -68,12 +73,6 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
                    help="only torch_dist is written and read here")
 
 
-def _err(message: str):
-    from megatron.training.arguments import ArgumentError
-
-    return ArgumentError(message)
-
-
 def check_schedule_forms(args) -> None:
     """Before derived values: the sample and iteration forms of the schedule exclude each other
     (upstream's rule), and the sample counts are in range."""
@@ -82,26 +81,26 @@ def check_schedule_forms(args) -> None:
         value = getattr(args, name)
         if value is not None and value < (1 if name in ("train_samples", "lr_decay_samples") else 0):
             bound = ">= 1" if name in ("train_samples", "lr_decay_samples") else ">= 0"
-            raise _err(f"--{name.replace('_', '-')} {value} must be {bound}")
+            raise ArgumentError(f"--{name.replace('_', '-')} {value} must be {bound}")
     if args.train_samples is not None:
         for flag, given in (("--train-iters", args.train_iters is not None),
                             ("--lr-decay-iters", args.lr_decay_iters is not None),
                             ("--lr-warmup-iters", bool(args.lr_warmup_iters)),
                             ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters is not None)):
             if given:
-                raise _err(f"--train-samples and {flag} are mutually exclusive: use the sample forms "
+                raise ArgumentError(f"--train-samples and {flag} are mutually exclusive: use the sample forms "
                            "(--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples) or the iteration forms")
         if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
-            raise _err("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive: give one")
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive: give one")
     else:
         for flag, given in (("--lr-decay-samples", args.lr_decay_samples is not None),
                             ("--lr-warmup-samples", bool(args.lr_warmup_samples)),
                             ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples is not None)):
             if given:
-                raise _err(f"{flag} needs --train-samples (sample-based training); with --train-iters use "
+                raise ArgumentError(f"{flag} needs --train-samples (sample-based training); with --train-iters use "
                            f"{flag.replace('samples', 'iters')}")
         if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-            raise _err("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give one")
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give one")
 
 
 def fill_loop_derived(args) -> None:
@@ -131,39 +130,39 @@ def validate_loop_flags(args) -> None:
     """The loop and checkpoint flags' relations; one line naming the fix."""
     if args.train_samples is not None:
         if args.train_iters < 1:
-            raise _err(f"--train-samples {args.train_samples} is less than one global batch "
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
                        f"(--global-batch-size {args.global_batch_size}): raise it")
         warmup = scheduler_steps(args)["lr_warmup_steps"]
         if warmup and warmup >= args.lr_decay_samples:
-            raise _err(f"the LR warmup ({warmup:g} samples) must be shorter than --lr-decay-samples "
+            raise ArgumentError(f"the LR warmup ({warmup:g} samples) must be shorter than --lr-decay-samples "
                        f"{args.lr_decay_samples} (default: --train-samples)")
     if args.decoupled_min_lr is not None:
         if args.decoupled_lr is None:
-            raise _err("--decoupled-min-lr needs --decoupled-lr (the embedding/output layer's peak LR)")
+            raise ArgumentError("--decoupled-min-lr needs --decoupled-lr (the embedding/output layer's peak LR)")
         if args.decoupled_min_lr > args.decoupled_lr:
-            raise _err(f"--decoupled-min-lr {args.decoupled_min_lr:g} is above --decoupled-lr {args.decoupled_lr:g}")
+            raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr:g} is above --decoupled-lr {args.decoupled_lr:g}")
     if args.decoupled_lr is not None and args.decoupled_lr < 0:
-        raise _err(f"--decoupled-lr {args.decoupled_lr:g} must be >= 0")
+        raise ArgumentError(f"--decoupled-lr {args.decoupled_lr:g} must be >= 0")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
-        raise _err(f"--exit-duration-in-mins {args.exit_duration_in_mins:g} must be > 0")
+        raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins:g} must be > 0")
     if args.profile and args.profile_step_end <= args.profile_step_start:
-        raise _err(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
+        raise ArgumentError(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
                    f"{args.profile_step_start}")
     if args.profile_ranks and any(r < 0 or r >= args.world_size for r in args.profile_ranks):
-        raise _err(f"--profile-ranks {' '.join(map(str, args.profile_ranks))}: ranks are 0 to {args.world_size - 1}")
+        raise ArgumentError(f"--profile-ranks {' '.join(map(str, args.profile_ranks))}: ranks are 0 to {args.world_size - 1}")
     if args.ckpt_format != "torch_dist":
-        raise _err(f"--ckpt-format {args.ckpt_format} is not supported: this fork writes and reads torch_dist "
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported: this fork writes and reads torch_dist "
                    "(megatron.core.dist_checkpointing); pass --ckpt-format torch_dist or drop the flag")
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
-        raise _err("--wandb-exp-name/--wandb-save-dir have no effect without --wandb-project: add it or drop them")
+        raise ArgumentError("--wandb-exp-name/--wandb-save-dir have no effect without --wandb-project: add it or drop them")
     if args.wandb_project is not None:
         if importlib.util.find_spec("wandb") is None:
-            raise _err("--wandb-project needs the wandb package: pip install wandb, or drop --wandb-project/"
+            raise ArgumentError("--wandb-project needs the wandb package: pip install wandb, or drop --wandb-project/"
                        "--wandb-exp-name/--wandb-save-dir")
         if not (args.wandb_save_dir or args.save):
-            raise _err("--wandb-project needs --wandb-save-dir DIR (or --save, for <save>/wandb)")
+            raise ArgumentError("--wandb-project needs --wandb-save-dir DIR (or --save, for <save>/wandb)")
     if args.use_checkpoint_args and not args.load:
-        raise _err("--use-checkpoint-args needs --load DIR (the checkpoint to read the model flags from)")
+        raise ArgumentError("--use-checkpoint-args needs --load DIR (the checkpoint to read the model flags from)")
 
 
 # Model-shape flags taken from the checkpoint, as upstream's load_args_from_checkpoint: the
@@ -181,19 +180,17 @@ def apply_checkpoint_args(args) -> None:
     The parallel layout stays this run's (our checkpoints load under any layout)."""
     if not getattr(args, "use_checkpoint_args", False) or not args.load:
         return
-    from megatron.training import checkpointing as ckpt
-
     try:
         iteration = ckpt.read_tracker(args.load)
         path = ckpt.find_checkpoint(args.load, iteration) if iteration is not None else None
         if path is None:
-            raise _err(f"--use-checkpoint-args: no complete checkpoint in --load {args.load} to read the model "
+            raise ArgumentError(f"--use-checkpoint-args: no complete checkpoint in --load {args.load} to read the model "
                        "flags from")
-        saved = ckpt.load_common_or_explain(path).get("args")
+        saved = load_common_or_explain(path).get("args")
     except ckpt.CheckpointError as e:
-        raise _err(f"--use-checkpoint-args: {e}") from None
+        raise ArgumentError(f"--use-checkpoint-args: {e}") from None
     if saved is None:
-        raise _err(f"--use-checkpoint-args: {path} holds no arguments")
+        raise ArgumentError(f"--use-checkpoint-args: {path} holds no arguments")
     for name in _IF_UNSET + _FORCED:
         value = getattr(saved, name, None)
         if not hasattr(args, name) or value is None:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.training.argument_errors import ArgumentError
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: TE's FP8 GEMMs
@@ -107,8 +108,6 @@ def attention_note(args, machine: Machine) -> Optional[str]:
 
 def check_model_flags(args) -> None:
     """Refusals (one line naming the fix) and upstream's silent corrections (one warning line)."""
-    from megatron.training.arguments import ArgumentError
-
     machine = Machine.here()
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ArgumentError(f"--rotary-percent {args.rotary_percent:g} must be in (0, 1]")

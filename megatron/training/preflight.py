@@ -21,7 +21,7 @@ import errno
 import os
 import socket
 
-from megatron.training.arguments import ArgumentError
+from megatron.training.argument_errors import ArgumentError
 
 PROBE_BYTES = 64 * 1024
 

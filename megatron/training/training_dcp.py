@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing_dcp
+from megatron.training import checkpointing_adaptive
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.log import TrainingLogger
@@ -235,7 +235,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     scheduler = build_scheduler(args, engine.optimizer)
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = checkpointing_dcp.load(args, engine, scheduler, planner)
+        iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
     logger = TrainingLogger(args)
     features = LoopFeatures(args, adaptive=True)
     steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features)
@@ -325,7 +325,7 @@ class AdaptiveSteps:
         self.logger.log_validation(iteration, evaluate(self.args, self.engine, self.eval_planner, self.valid_ds))
 
     def save(self, iteration: int) -> None:
-        checkpointing_dcp.save(self.args, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
+        checkpointing_adaptive.save(self.args, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
                                self.planner_state)
 
     def close(self) -> None:

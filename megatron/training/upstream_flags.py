@@ -16,6 +16,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.training.argument_errors import ArgumentError
 from megatron.training.upstream_flag_table import ACCEPT, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
 
 REGISTRY_ATTR = "_upstream_flag_registry"  # parser default: {dest: UpstreamFlag} of the flags registered
@@ -206,8 +207,6 @@ def given_flags(args: argparse.Namespace) -> list[Given]:
 def check_upstream_flags(args: argparse.Namespace) -> None:
     """Raise one line for the first refused upstream flag given; keep the accepted ones in
     `args.accepted_without_effect` as [flag, reason] pairs (for `accepted_line`)."""
-    from megatron.training.arguments import ArgumentError
-
     given = given_flags(args)
     if not given and hasattr(args, "accepted_without_effect"):
         return  # already checked

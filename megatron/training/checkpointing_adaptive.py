@@ -1,20 +1,21 @@
 """Checkpoints of the adaptive runtime: the fixed optimizer sharding, in model space.
 
-Same Megatron layout and atomic protocol as `checkpointing` (tracker file,
-`iter_XXXXXXX/`, torch_dist). What is stored is layout-free: for every canonical tensor
-(the full model's parameter names) its fp32 master value and Adam moments, written once
-by the rank that owns the tensor's first element (gathered tensor by tensor, so no rank
-holds the whole model). Loading reads the tensors in groups and keeps, on every rank, the
-pieces of its shard, so a checkpoint saved on W ranks resumes on any W'.
+Same Megatron layout and atomic protocol as the static loop's `checkpointing` (tracker
+file, `iter_XXXXXXX/`, torch_dist: `checkpoint_protocol`). What is stored is layout-free:
+for every canonical tensor (the full model's parameter names) its fp32 master value and
+Adam moments, written once by the rank that owns the tensor's first element (gathered
+tensor by tensor, so no rank holds the whole model). Loading reads the tensors in groups
+and keeps, on every rank, the pieces of its shard, so a checkpoint saved on W ranks
+resumes on any W'.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing as ckpt
+from megatron.training import checkpoint_protocol as ckpt
+from megatron.training.checkpoint_inspector import check_saved_parts, load_common_or_explain, load_or_explain
 from megatron.training.initialize import print_rank_0
-from megatron.training.loop_features import check_saved_parts
 
 FORMAT = "dcp-fixed-sharding/v1"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -81,7 +82,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if found is None:
         return 0, 0
     path, _ = found
-    common = ckpt.load_common_or_explain(path)
+    common = load_common_or_explain(path)
     if common.get("format") != FORMAT:
         raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp); "
                                    "resume it without --dcp")
@@ -101,7 +102,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
             _key(kind, t.name): _sharded(_key(kind, t.name), torch.empty(t.shape), replica_id=engine.rank)
             for t in group for kind in kinds
         }
-        state = ckpt.load_or_explain(request, path, validate_access_integrity=False)
+        state = load_or_explain(request, path, validate_access_integrity=False)
         for t in group:
             for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
                 for kind in kinds:

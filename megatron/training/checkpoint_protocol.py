@@ -1,0 +1,256 @@
+"""Checkpoints in Megatron's layout, torch_dist format, written crash-safely: the directory
+protocol both checkpoint kinds share.
+
+    {save}/latest_checkpointed_iteration.txt      -> "1200"
+    {save}/iter_0001200/                           -> megatron.core.dist_checkpointing files
+
+The tracker file is the commit point: a checkpoint exists once the tracker names it. A
+save (rank 0 does every filesystem step; all ranks write their shards) goes:
+
+    1. recover      leftovers of an interrupted save are put right (`recover`, below)
+    2. stage        every rank writes into `iter_N.incomplete/`; fsync'd
+    3. aside        re-saving an existing `iter_N`: rename it to `iter_N.old`
+    4. rename       `iter_N.incomplete` -> `iter_N`
+    5. tracker      write `latest_checkpointed_iteration.txt.tmp`, fsync, rename over the tracker
+    6. delete old   rename `iter_N.old` -> `iter_N.deleting`, then remove that
+
+with the directory fsync'd after every rename, so a crash (or power loss) between any two
+steps leaves the tracker naming a complete checkpoint: the previous one up to step 5,
+this one from then on (re-saving the iteration the tracker already names: the old copy up
+to step 4, the new one from then on). What the loader does in each intermediate state
+(`find_checkpoint`): a stale `.incomplete` or `.deleting` is never read; if the tracker
+names iteration N but only `iter_N.old` exists (a re-save died between steps 3 and 4), it
+loads `iter_N.old` (always a complete copy: it is only ever made by renaming a complete
+`iter_N`, and is renamed away before its deletion starts); a `.old` next to its `iter_N` is
+a finished re-save's leftover and is ignored. The loader never changes the directory (it
+may be read-only); the next save's step 1 restores `iter_N.old` to `iter_N` when `iter_N`
+is missing and removes the other leftovers. tests/test_save_faults.py kills a save at each
+step in turn (`FAULT_POINTS`) and loads what is left. Because the format is sharded by
+global tensor slices, a checkpoint saved under one TP/PP/DP layout loads under another.
+
+Why a module of its own: the static loop's checkpoints (`checkpointing`), the adaptive
+runtime's (`checkpointing_adaptive`) and tools/convert_dcp_checkpoint.py write and find
+checkpoints the same way; what each stores is theirs, the directory protocol is this one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+
+import torch.distributed as dist
+
+from dcp_ext.compat import mcore_compat
+from megatron.training.initialize import print_rank_0
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+STAGING_SUFFIX = ".incomplete"
+ASIDE_SUFFIX = ".old"
+DELETING_SUFFIX = ".deleting"
+
+# Where `DCP_FAULT_INJECT=<name>` kills rank 0 in a save, in the order a save reaches them
+# (tests/test_save_faults.py crashes at each in turn). "after_shards" kills every rank.
+FAULT_POINTS = (
+    "after_recover",      # step 1 done
+    "after_staging_dir",  # empty iter_N.incomplete/ made
+    "after_shards",       # every rank's shards in iter_N.incomplete/ (all ranks die here)
+    "after_aside",        # re-save only: iter_N -> iter_N.old
+    "after_rename",       # iter_N.incomplete -> iter_N
+    "after_tracker_tmp",  # tracker .tmp written and fsync'd, not yet renamed
+    "after_tracker",      # tracker names N: committed
+    "after_mark_delete",  # re-save only: iter_N.old -> iter_N.deleting
+    "mid_delete_old",     # re-save only: iter_N.deleting partly removed
+    "after_delete_old",   # re-save only: iter_N.deleting gone
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the path and the fix."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _fault_point(name: str) -> None:
+    """Test hook: `DCP_FAULT_INJECT=<name>` kills the process here (crash-safety tests)."""
+    if os.environ.get("DCP_FAULT_INJECT") == name:
+        os._exit(17)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file, or the renames/creations inside a directory, to disk (best effort: a no-op
+    where the path cannot be opened or the filesystem cannot sync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory dist_checkpointing finished writing (it writes metadata.json last)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def find_checkpoint(root: str, iteration: int) -> str | None:
+    """The complete directory holding `iteration` under `root`: `iter_N`, or `iter_N.old` when a
+    re-save was interrupted between moving the old copy aside and moving the new one in."""
+    final = checkpoint_dir(root, iteration)
+    if is_complete(final):
+        return final
+    if not os.path.exists(final) and is_complete(final + ASIDE_SUFFIX):
+        return final + ASIDE_SUFFIX
+    return None
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    _fault_point("after_tracker_tmp")
+    os.replace(tmp, os.path.join(root, TRACKER))
+    _fsync(root)
+
+
+_ITER_DIR = re.compile(r"^iter_\d{7}$")
+
+
+def recover(root: str) -> None:
+    """Step 1 of a save (rank 0): put right what an interrupted save left in `root`.
+
+    `iter_N.old` without `iter_N` is a complete copy moved aside by a re-save that died
+    before its replacement moved in: rename it back (atomic; the loader reads either name).
+    Every other leftover is garbage and removed: `iter_N.old` next to `iter_N` (a finished
+    re-save's), `*.deleting` (a half-deleted one), `*.incomplete` (an unfinished staging),
+    the tracker's .tmp.
+    """
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(ASIDE_SUFFIX) and _ITER_DIR.match(name[: -len(ASIDE_SUFFIX)]):
+            base = path[: -len(ASIDE_SUFFIX)]
+            if not os.path.exists(base) and is_complete(path):
+                os.rename(path, base)
+                _fsync(root)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)) and _ITER_DIR.match(name.rsplit(".", 1)[0]):
+            shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.remove(os.path.join(root, TRACKER + ".tmp"))
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush a staged checkpoint: its files (dist_checkpointing fsyncs the shards it writes;
+    the small ones it may not) and its directories."""
+    for d, _, files in os.walk(path):
+        for name in files:
+            _fsync(os.path.join(d, name))
+        _fsync(d)
+
+
+def _remove_old(path: str) -> None:
+    """Step 6: delete a replaced checkpoint (file by file, so a test can stop it halfway)."""
+    first = True
+    for d, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            os.remove(os.path.join(d, name))
+            if first:
+                _fault_point("mid_delete_old")
+                first = False
+        for name in dirs:
+            os.rmdir(os.path.join(d, name))
+    os.rmdir(path)
+
+
+def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
+    """Collective: every rank calls it with its sharded state dict. The one save protocol of
+    both checkpoint kinds (module docstring: the steps and what a crash between them leaves)."""
+    from megatron.core import dist_checkpointing
+
+    mcore_compat.keep_checkpoint_writes_in_process()  # no writer process left behind by a crash
+    final = checkpoint_dir(root, iteration)
+    staging = final + STAGING_SUFFIX
+    aside = final + ASIDE_SUFFIX
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        recover(root)
+        _fault_point("after_recover")
+        os.makedirs(staging)
+        _fsync(root)
+        _fault_point("after_staging_dir")
+    dist.barrier()
+    dist_checkpointing.save(state, staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_tree(staging)
+    _fault_point("after_shards")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):  # re-saving an iteration (a relaunch of a finished job, a resume)
+            os.rename(final, aside)
+            _fsync(root)
+            _fault_point("after_aside")
+        os.rename(staging, final)
+        _fsync(root)
+        _fault_point("after_rename")
+        _write_tracker(root, iteration)
+        _fault_point("after_tracker")
+        if os.path.exists(aside):
+            doomed = final + DELETING_SUFFIX
+            os.rename(aside, doomed)  # from here on nothing reads it: `.old` only ever names a complete copy
+            _fsync(root)
+            _fault_point("after_mark_delete")
+            _remove_old(doomed)
+            _fsync(root)
+            _fault_point("after_delete_old")
+    dist.barrier()
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+
+def _common_args(args) -> argparse.Namespace:
+    keep = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+    return argparse.Namespace(**keep)
+
+
+
+def resolve_load_dir(args) -> tuple[str, int] | None:
+    """(directory, iteration) to resume from, None to start fresh; errors name the path."""
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {args.load}: no {TRACKER} found (and --exit-on-missing-checkpoint is set)")
+        print_rank_0(f"WARNING: no checkpoint in {args.load} ({TRACKER} missing); starting from scratch")
+        return None
+    path = find_checkpoint(args.load, iteration)
+    if path is None:
+        raise CheckpointError(f"--load {args.load}: {TRACKER} names iteration {iteration} but "
+                              f"{checkpoint_dir(args.load, iteration)} is missing or incomplete")
+    if path.endswith(ASIDE_SUFFIX):
+        print_rank_0(f"  note: a re-save of iteration {iteration} was interrupted; loading its previous copy {path}")
+    return path, iteration
