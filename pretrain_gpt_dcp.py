@@ -127,7 +127,10 @@ def quiet_known_warnings() -> None:
 
 def main(argv=None) -> None:
     quiet_known_warnings()
+    from dcp_ext.compat import cpu_compat
     from megatron.training.training import pretrain
+
+    cpu_compat.install()  # once per process, here at the entry (a no-op with CUDA)
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:  # the embedded default: the CPU demo on the adaptive runtime

@@ -35,6 +35,7 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 from dcp_ext.cli import profile as harness  # noqa: E402
+from megatron.training import profiling  # noqa: E402
 from dcp_ext.planning.cost_model import CostModel, Layout  # noqa: E402
 from dcp_ext.planning.profile import Profile, fit_profile  # noqa: E402
 from dcp_ext.planning.specs import ModelSpec  # noqa: E402
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     given = Profile.load(ours.profile) if ours.profile else None
     if given is not None and "--layouts" not in rest:
         rest += ["--layouts", ",".join(sorted({f"tp{k[0]}cp{k[1]}pp{k[2]}" for k in given.fits}))]
-    st = harness.setup(rest)
+    st = profiling.setup(rest)
     loads0, t0 = load(), time.perf_counter()
     if given is not None or ours.mode == "sequential":
         profile, held, mode = sequential(st, given)

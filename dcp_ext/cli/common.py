@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from dcp_ext.data.errors import DataError
+from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
@@ -88,31 +90,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 def load_lengths(path: str) -> np.ndarray:
     """One positive integer a line; anything else names the file and the line."""
-    if os.path.isdir(path):
-        raise CLIError(f"--lengths {path}: is a directory, not a file of lengths", 1)
-    if not os.path.isfile(path):
-        raise CLIError(f"--lengths {path}: no such file", 1)
-    vals = []
     try:
-        with open(path) as f:
-            for n, line in enumerate(f):
-                t = line.strip()
-                if not t:
-                    raise CLIError(f"{path}:{n + 1}: empty line (one length per line expected)", 1)
-                try:
-                    v = int(t)
-                except ValueError:
-                    raise CLIError(f"{path}:{n + 1}: {t[:40]!r} is not an integer length (one per line)", 1) from None
-                if v < 1:
-                    raise CLIError(f"{path}:{n + 1}: length {v} must be >= 1 (tokens of a document)", 1)
-                vals.append(v)
-    except UnicodeDecodeError:
-        raise CLIError(f"{path}: not a text file of lengths (one integer per line)", 1) from None
-    except OSError as e:
-        raise CLIError(f"--lengths {path}: cannot read it ({e.strerror or e})", 1) from None
-    if not vals:
-        raise CLIError(f"{path}: no lengths (the file is empty)", 1)
-    return np.asarray(vals, dtype=np.int64)
+        return np.asarray(read_lengths(path, flag="--lengths"), dtype=np.int64)
+    except DataError as e:
+        raise CLIError(str(e), 1) from None
 
 
 def _spec(kind, name: str, flag: str):

@@ -23,8 +23,10 @@ How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL)
     a record's seconds is the median of its rounds (`--statistic min`: the
     fastest, i.e. the machine without the other tenants of a shared box).
   * waiting ranks block in gloo without spinning, so they take no core from the timed ones.
-Megatron's arguments are parsed by `megatron.training.arguments` (imported lazily: the
-`dcp_ext` package itself never imports `megatron.training`).
+The Megatron side (its argument parser and tokenizer, the TransformerConfig builder, the
+cluster `--dcp` training assumes) is handed in as a `TrainingSide` by the entry point,
+`megatron/training/profiling.py` (the `dcp-profile` command): `dcp_ext` never imports
+`megatron.training`.
 """
 from __future__ import annotations
 
@@ -37,14 +39,19 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-# Megatron flags that validation requires but profiling never uses.
-_UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4", "--min-lr", "0", "--lr-warmup-iters", "0"]
-_NO_STATIC_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                     "--context-parallel-size", "1"]
+
+@dataclass(frozen=True)
+class TrainingSide:
+    """What profiling needs from the Megatron training side (module-level functions, so a
+    spawned rank gets them by reference)."""
+
+    parse_args: Callable  # (argv, world_size) -> Megatron's args, unpadded_vocab_size set
+    transformer_config: Callable  # (args, **overrides) -> TransformerConfig
+    cluster_for: Callable  # (num_gpus, args) -> the ClusterSpec --dcp training would assume
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Job:
     progress: bool = True
     desc: str = "dcp-profile"
     statistic: str = "median"  # of the repeats: "median", or "min" (the machine with no other load)
+    transformer_config: Callable | None = None  # TrainingSide.transformer_config
 
 
 @dataclass
@@ -147,13 +155,12 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
     from dcp_ext.runtime.model import build_gpt_model
     from dcp_ext.runtime.engine import seed_rng_tracker
     from dcp_ext.runtime.executor import StageRunner, localize
-    from megatron.training.training import transformer_config_from_args  # lazy: CLI glue only
 
     args = job.args
     tp, cp, pp = rep.tp, rep.cp, rep.pp
     sp = bool(args.sequence_parallel) and tp > 1
     # as under --dcp: the fused loss takes the replica's TP group (the unfused one reads a global one)
-    config = transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
+    config = job.transformer_config(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
                                           pipeline_model_parallel_size=pp, sequence_parallel=sp,
                                           cross_entropy_loss_fusion=True)
     tp_rank, cp_rank, pp_rank = rep.coords(rank)
@@ -286,26 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def megatron_args(argv: Sequence[str], world_size: int):
-    """Megatron's parsed arguments for the model flags (training-only flags filled in)."""
-    from megatron.training.arguments import ArgumentError, parse_args
-    from megatron.training.global_vars import build_tokenizer
-
-    argv = list(argv)
-    if not any(a in argv for a in ("--data-path", "--mock-data", "--demo-corpus")):
-        argv.append("--mock-data")
-    try:
-        args = parse_args(argv + _UNUSED_REQUIRED, world_size=world_size)
-    except ArgumentError as e:
-        if not str(e).startswith("world size"):
-            raise
-        # the config's static TP/PP/CP (e.g. the demo's TP2) need not fit the ranks here:
-        # the profile picks its own layouts
-        args = parse_args(argv + _UNUSED_REQUIRED + _NO_STATIC_LAYOUT, world_size=world_size)
-    args.unpadded_vocab_size = build_tokenizer(args).vocab_size
-    return args
-
-
 def pad_vocab(args, tps: Sequence[int]) -> None:
     """One padded vocabulary for every profiled TP size (as the --dcp training loop pads it)."""
     from dcp_ext.data.tokenizers import padded_vocab_size
@@ -324,6 +311,7 @@ def model_name(argv: Sequence[str]) -> str:
 @dataclass
 class Setup:
     ours: argparse.Namespace
+    side: TrainingSide
     args: argparse.Namespace  # Megatron's, for the model that is timed
     spec: "object"  # ModelSpec of the model the profile is for (all layers)
     timed: "object"  # CostModel of the timed model (fewer layers with --profile-layers)
@@ -332,7 +320,7 @@ class Setup:
     cuda: bool
 
 
-def setup(argv: Sequence[str] | None = None) -> Setup:
+def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
     """Parse our flags and Megatron's (the rest), choose the layouts, pad the vocabulary."""
     import torch
 
@@ -342,12 +330,10 @@ def setup(argv: Sequence[str] | None = None) -> Setup:
     ours, rest = build_parser().parse_known_args(argv)
     cuda = torch.cuda.is_available()
     nproc = ours.nproc or (torch.cuda.device_count() if cuda else 4)
-    args = megatron_args(rest, nproc)
+    args = side.parse_args(rest, nproc)
     pad_vocab(args, [1])
     if cuda:
-        from megatron.training.training_dcp import cluster_for  # the cluster --dcp training would assume
-
-        cluster = cluster_for(nproc, args)
+        cluster = side.cluster_for(nproc, args)
     else:
         cluster = ClusterSpec.cpu_gloo(nproc)
     cm = CostModel(ModelSpec.from_megatron_args(args, name=model_name(rest)), cluster)
@@ -366,7 +352,7 @@ def setup(argv: Sequence[str] | None = None) -> Setup:
             raise SystemExit(f"--profile-layers {ours.profile_layers} is not divisible by every layout's pp")
         args.num_layers = ours.profile_layers
     timed = CostModel(ModelSpec.from_megatron_args(args, name=spec.name), cluster)
-    return Setup(ours, args, spec, timed, cluster, layouts, cuda)
+    return Setup(ours, side, args, spec, timed, cluster, layouts, cuda)
 
 
 def grid(ours, cm, layouts, max_len: int) -> list[dict]:
@@ -399,7 +385,7 @@ def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
 def job_for(st: Setup, points: list[dict], desc: str = "dcp-profile", seed_offset: int = 0) -> Job:
     o = st.ours
     return Job(st.args, points, o.repeats, o.warmup, o.seed + seed_offset, st.cuda, o.threads, not o.quiet, desc,
-               o.statistic)
+               o.statistic, st.side.transformer_config)
 
 
 def records(timings: list[Timing], num_layers: int, statistic: str | None = None) -> list:
@@ -428,14 +414,10 @@ def run_profile(st: Setup):
     return profile, timings
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None, side: TrainingSide) -> int:
     t0 = time.perf_counter()
-    st = setup(argv)
+    st = setup(argv, side)
     profile, timings = run_profile(st)
     summarize(profile, timings)
     print(f"wrote {st.ours.out} ({time.perf_counter() - t0:.0f} s); use it with --dcp-cost-profile or dcp-plan --profile")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

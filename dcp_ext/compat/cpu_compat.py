@@ -6,6 +6,19 @@ megatron-core assumes a GPU in many places: `device="cuda"` factories, `.cuda()`
 `install()` redirects them to the CPU; with CUDA present it does nothing. Because every
 redirect only changes calls that would otherwise raise, it cannot alter a run that
 works without it. One line per redirect below says which megatron-core code needs it.
+
+The redirects patch torch for the whole process, so only entry points call `install()`
+(pretrain_gpt_dcp.py, megatron.training.initialize, each rank of dcp-profile and
+tools/convert_dcp_checkpoint.py, the tests' rank helper), once, before megatron-core
+runs; library code (the model builder, the runtime) never does.
+
+`Tensor.type()` is the one redirect that changes an answer rather than a failure:
+megatron-core's optimizers and clip_grads sort parameters (and check gradients) by
+comparing `param.type()` with the CUDA names 'torch.cuda.FloatTensor', '...HalfTensor'
+and '...BFloat16Tensor' and refuse anything else, with no device-neutral path. So the
+patch is as narrow as those checks: only the no-argument call, only CPU tensors of
+those three dtypes; every other tensor, and `type(dtype)` conversions, answer as torch
+does.
 """
 from __future__ import annotations
 
@@ -15,6 +28,8 @@ import functools
 import torch
 
 _installed = False
+# the names megatron-core's optimizer and clip_grads compare `param.type()` with
+_CUDA_TYPE_NAMES = {f"torch.{name}": f"torch.cuda.{name}" for name in ("FloatTensor", "HalfTensor", "BFloat16Tensor")}
 
 
 def install() -> bool:
@@ -102,14 +117,15 @@ def _patch_device_arguments() -> None:
     torch.Tensor.to = to
 
     # Type checks `param.type() == 'torch.cuda.FloatTensor'` in clip_grads, the fp16/bf16
-    # optimizer and the distributed optimizer: report CPU tensors under their CUDA names.
+    # optimizer and the distributed optimizer: report CPU tensors of the three dtypes they
+    # check under their CUDA names (see the module docstring).
     original_type = torch.Tensor.type
 
     @functools.wraps(original_type)
     def tensor_type(self, *args, **kwargs):
         result = original_type(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(result, str) and result.startswith("torch."):
-            return "torch.cuda." + result[len("torch.") :]
+        if not args and not kwargs and result in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[result]
         return result
 
     torch.Tensor.type = tensor_type

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcp_ext.data.lengths import round_up
+
 
 @dataclass
 class LengthHistogram:
@@ -98,7 +100,7 @@ def padding_overhead(lengths, seq_length: int, cp: int = 1, tp: int = 1, sequenc
     a = 2 * cp if cp > 1 else 1
     b = tp if sp else 1
     q = a * b // math.gcd(a, b)
-    thd_slots = int((-(-L // q) * q).sum())
+    thd_slots = int(round_up(L, q).sum())
     bins = _count_bins(L, seq_length)
     # windows over the concatenation; pieces = documents cut at window edges
     stream = int(full.sum())

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from dcp_ext.data.errors import DataError
+from dcp_ext.data.lengths import read_lengths
 from dcp_ext.data.stats import length_histogram, padding_overhead
 
 PROG = "dataset_stats.py"
@@ -38,12 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_lengths(args) -> tuple[np.ndarray, str]:
     if args.lengths_file:
-        if not os.path.isfile(args.lengths_file):
-            raise DataError(f"--lengths-file not found: {args.lengths_file}")
-        try:
-            arr = np.loadtxt(args.lengths_file, dtype=np.int64, ndmin=1)
-        except ValueError as e:
-            raise DataError(f"{args.lengths_file}: not one integer a line ({e})") from None
+        # documents of 0 tokens are allowed here (an .idx can hold them); the report skips them
+        arr = np.asarray(read_lengths(args.lengths_file, flag="--lengths-file", min_length=0), dtype=np.int64)
         return arr, args.lengths_file
     if args.demo:
         from dcp_ext.data.demo_corpus import ensure_demo_corpus

@@ -14,6 +14,8 @@ Conventions (fixed with the runtime):
   `pad_total_to` (tp with sequence parallel) pads the pack: the extra tokens extend the
   last document's padding, so every padded document length stays a multiple of
   `pad_each_to` and the total is a multiple of lcm(pad_each_to, pad_total_to).
+  (`pack` is the one packer; the fixed-length path, megatron/training/batches.py, calls it
+  with its own padding rule: see `pack`.)
 - Padding positions: token and label `pad_id`, position ids counting from 0 again
   (0, 1, ...): no real token sees them, and they stay small (safe for learned
   absolute position embeddings).
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dcp_ext.data.lengths import round_up
+
 
 @dataclass
 class ThdBatch:
@@ -48,10 +52,6 @@ class ThdBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
-    @property
-    def seq_lengths(self) -> list[int]:
-        return torch.diff(self.cu_seqlens).tolist()
-
     def packed_seq_params(self):
         """megatron.core PackedSeqParams (qkv_format 'thd') for this pack."""
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -67,23 +67,77 @@ class ThdBatch:
                         self.cu_seqlens_padded.to(device), self.max_seqlen, self.num_loss_tokens)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+TAILS = ("extend", "segment")
+PAD_POSITIONS = ("restart", "continue")
+
+
+def _layout(lengths, pad_each_to: int, pad_total_to: int, tail: str) -> tuple[list[int], list[int]]:
+    """(real, padded) length of every piece of a pack: the documents, then with
+    tail="segment" the pack's extra padding as one more piece of 0 real tokens."""
+    if pad_each_to < 1 or pad_total_to < 1:
+        raise ValueError("pad_each_to and pad_total_to must be >= 1")
+    if tail not in TAILS:
+        raise ValueError(f"tail must be one of {TAILS}, not {tail!r}")
+    real = [int(n) for n in lengths]
+    padded = [round_up(n, pad_each_to) for n in real]
+    extra = round_up(sum(padded), math.lcm(pad_each_to, pad_total_to)) - sum(padded)
+    if extra and tail == "segment":
+        real.append(0)
+        padded.append(extra)
+    elif extra:
+        padded[-1] += extra
+    return real, padded
 
 
 def padded_lengths(lengths, pad_each_to: int = 1, pad_total_to: int = 1) -> list[int]:
     """The padded length of each document in a pack (the same rule as build_micro_batch)."""
-    if pad_each_to < 1 or pad_total_to < 1:
-        raise ValueError("pad_each_to and pad_total_to must be >= 1")
-    out = [_round_up(int(n), pad_each_to) for n in lengths]
-    if out:
-        q = pad_each_to * pad_total_to // math.gcd(pad_each_to, pad_total_to)
-        out[-1] += _round_up(sum(out), q) - sum(out)
-    return out
+    return _layout(lengths, pad_each_to, pad_total_to, "extend")[1]
+
+
+def pack(docs, pad_each_to: int = 1, pad_total_to: int = 1, *, pad_id: int = 0, tail: str = "extend",
+         pad_positions: str = "restart") -> ThdBatch:
+    """Lay documents out one after another, padded as the layout needs (the one THD packer).
+
+    `docs`: one dict of FIELDS per document (1-D numpy arrays of the document's length,
+    each field one dtype across documents). Padding: tokens and labels `pad_id`, loss
+    mask 0. The padding rule is a parameter:
+    - `tail`: where the pack's extra padding (for `pad_total_to`) goes: "extend" lengthens
+      the last document's padding (the runtime's rule); "segment" makes it a piece of its
+      own with 0 real tokens and every field its pad value, position ids 0 (the
+      fixed-length path's rule).
+    - `pad_positions`: position ids of a document's padding: "restart" counts 0, 1, ...;
+      "continue" counts on from the document's length (n, n+1, ...).
+    """
+    if pad_positions not in PAD_POSITIONS:
+        raise ValueError(f"pad_positions must be one of {PAD_POSITIONS}, not {pad_positions!r}")
+    real, padded = _layout([d["tokens"].size for d in docs], pad_each_to, pad_total_to, tail)
+    dtypes = {f: docs[0][f].dtype for f in FIELDS}
+    fills = {"tokens": pad_id, "labels": pad_id, "loss_mask": 0, "position_ids": 0}
+    pieces = {f: [] for f in FIELDS}
+    for k, (n, p) in enumerate(zip(real, padded)):
+        doc = docs[k] if k < len(docs) else None  # None: the tail segment
+        for f in FIELDS:
+            if doc is not None:
+                pieces[f].append(doc[f])
+            if f == "position_ids" and doc is not None:
+                start = n if pad_positions == "continue" else 0
+                pieces[f].append(np.arange(start, start + p - n, dtype=dtypes[f]))
+            else:
+                pieces[f].append(np.full(p - n, fills[f], dtype=dtypes[f]))
+    flat = {f: torch.from_numpy(np.concatenate(pieces[f])) for f in FIELDS}
+    cu = np.zeros(len(real) + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(real)
+    cup = np.zeros(len(padded) + 1, dtype=np.int32)
+    cup[1:] = np.cumsum(padded)
+    return ThdBatch(**flat, cu_seqlens=torch.from_numpy(cu), cu_seqlens_padded=torch.from_numpy(cup),
+                    max_seqlen=int(max(padded)), num_loss_tokens=int(flat["loss_mask"].numpy().sum()))
 
 
 def build_micro_batch(docs, loss_masks=None, *, pad_each_to: int = 1, pad_total_to: int = 1,
                       eod_mask_loss: bool = False, eod: int | None = None, pad_id: int = 0) -> ThdBatch:
+    """Documents (token ids) to a THD micro-batch: labels, loss masks and positions per the
+    conventions above, then `pack` with the runtime's padding rule."""
     if len(docs) == 0:
         raise ValueError("a micro-batch needs at least one document")
     if eod_mask_loss and eod is None:
@@ -91,19 +145,13 @@ def build_micro_batch(docs, loss_masks=None, *, pad_each_to: int = 1, pad_total_
     if loss_masks is not None and len(loss_masks) != len(docs):
         raise ValueError("one loss mask per document")
     arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]
-    lens = [a.size for a in arrays]
-    if min(lens) < 1:
+    if min(a.size for a in arrays) < 1:
         raise ValueError("documents must have at least one token")
-    plens = padded_lengths(lens, pad_each_to, pad_total_to)
-    total = sum(plens)
-    tokens = np.full(total, pad_id, dtype=np.int64)
-    labels = np.full(total, pad_id, dtype=np.int64)
-    loss = np.zeros(total, dtype=np.float32)
-    pos = np.empty(total, dtype=np.int64)
-    at = 0
-    for k, (a, n, p) in enumerate(zip(arrays, lens, plens)):
-        tokens[at:at + n] = a
-        labels[at:at + n - 1] = a[1:]
+    fields = []
+    for k, a in enumerate(arrays):
+        n = a.size
+        labels = np.full(n, pad_id, dtype=np.int64)
+        labels[: n - 1] = a[1:]
         m = np.ones(n, dtype=np.float32)
         m[n - 1] = 0.0
         if loss_masks is not None and loss_masks[k] is not None:
@@ -113,18 +161,8 @@ def build_micro_batch(docs, loss_masks=None, *, pad_each_to: int = 1, pad_total_
             m[: n - 1] *= resp[1:] != 0
         if eod_mask_loss:
             m[a == eod] = 0.0
-        loss[at:at + n] = m
-        pos[at:at + n] = np.arange(n)
-        pos[at + n:at + p] = np.arange(p - n)
-        at += p
-    cu = np.zeros(len(lens) + 1, dtype=np.int32)
-    cu[1:] = np.cumsum(lens)
-    cup = np.zeros(len(lens) + 1, dtype=np.int32)
-    cup[1:] = np.cumsum(plens)
-    return ThdBatch(tokens=torch.from_numpy(tokens), labels=torch.from_numpy(labels),
-                    loss_mask=torch.from_numpy(loss), position_ids=torch.from_numpy(pos),
-                    cu_seqlens=torch.from_numpy(cu), cu_seqlens_padded=torch.from_numpy(cup),
-                    max_seqlen=int(max(plens)), num_loss_tokens=int(loss.sum()))
+        fields.append({"tokens": a, "labels": labels, "loss_mask": m, "position_ids": np.arange(n, dtype=np.int64)})
+    return pack(fields, pad_each_to, pad_total_to, pad_id=pad_id)
 
 
 def materialize(dataset, sample_ids, **kwargs) -> ThdBatch:

@@ -13,11 +13,11 @@ libraries installed and a local path; nothing is fetched from a hub.
 """
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 
 from dcp_ext.data.errors import DataError
+from dcp_ext.data.lengths import round_up
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -256,4 +256,4 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_fi
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's `_vocab_size_with_padding`: round up to a multiple of divisible_by * tp."""
     multiple = make_vocab_size_divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return int(round_up(vocab_size, multiple))

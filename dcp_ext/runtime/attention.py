@@ -8,7 +8,7 @@ Layouts handled (the same ones TE's attention takes from megatron-core):
 - `sbhd`: query [s, b, heads, dim]; each batch row is one document.
 - `thd` : query [t, heads, dim] with `PackedSeqParams` (cu_seqlens, padded or not).
 With context parallelism each rank holds, for every document, the load-balanced chunks
-(r, 2*cp-1-r) of its padded length, as megatron-core's CP RoPE assumes. Keys and values
+of its padded length (`dcp_ext.runtime.context_parallel`), as megatron-core's CP RoPE assumes. Keys and values
 are all-gathered over the CP group (gradients summed back), then attention runs per
 document against the full key/value sequence with a global-position causal mask.
 """
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from dcp_ext.runtime.context_parallel import cp_chunk_positions
 
 
 class _GatherOverGroup(torch.autograd.Function):
@@ -42,17 +44,6 @@ class _GatherOverGroup(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
-
-
-def cp_chunk_positions(padded_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Global positions held by `cp_rank` for a document of `padded_len` (a multiple of 2*cp)."""
-    if cp_size == 1:
-        return torch.arange(padded_len, device=device)
-    chunk = padded_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    second_start = (2 * cp_size - 1 - cp_rank) * chunk
-    second = torch.arange(second_start, second_start + chunk, device=device)
-    return torch.cat([first, second])
 
 
 def document_causal_attention(
@@ -90,18 +81,12 @@ def document_causal_attention(
             v = value[offset : offset + local]
             mask = None
         else:
-            # Reassemble the full document: rank r's slice holds chunks r and 2cp-1-r.
-            chunk = padded // (2 * cp_size)
-            k_chunks = [None] * (2 * cp_size)
-            v_chunks = [None] * (2 * cp_size)
-            for r in range(cp_size):
-                ks = all_keys[r, offset : offset + local]
-                vs = all_values[r, offset : offset + local]
-                k_chunks[r], k_chunks[2 * cp_size - 1 - r] = ks[:chunk], ks[chunk:]
-                v_chunks[r], v_chunks[2 * cp_size - 1 - r] = vs[:chunk], vs[chunk:]
-            k = torch.cat(k_chunks)
-            v = torch.cat(v_chunks)
-            q_pos = cp_chunk_positions(padded, cp_size, cp_rank, device=q.device)
+            # Reassemble the full document: the gathered slices, in rank order, hold these positions.
+            held = torch.cat([cp_chunk_positions(padded, cp_size, r, device=q.device) for r in range(cp_size)])
+            order = torch.argsort(held)
+            k = all_keys[:, offset : offset + local].reshape(padded, *key.shape[1:])[order]
+            v = all_values[:, offset : offset + local].reshape(padded, *value.shape[1:])[order]
+            q_pos = held[cp_rank * local : (cp_rank + 1) * local]
             k_pos = torch.arange(padded, device=q.device)
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # True = may attend
         if group_size > 1:

@@ -2,8 +2,9 @@
 
 Each document (padded to a multiple of 2*cp) is cut into 2*cp equal chunks; CP rank r
 holds chunks r and 2*cp-1-r, so causal attention work is balanced. This matches what
-megatron-core's RoPE and transformer-engine's THD attention expect, and what
-`dcp_ext.runtime.attention` reassembles.
+megatron-core's RoPE and transformer-engine's THD attention expect. The rule is written
+once, in `cp_chunk_positions`; the micro-batch split (`cp_token_indices`) and the CPU
+attention's reassembly of a document (`dcp_ext.runtime.attention`) both use it.
 """
 from __future__ import annotations
 
@@ -12,8 +13,17 @@ from typing import Sequence
 import torch
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def cp_chunk_positions(padded_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Positions, within one document of `padded_len` tokens, that `cp_rank` holds (in its order)."""
+    if cp_size == 1:
+        return torch.arange(padded_len, device=device)
+    if padded_len % (2 * cp_size):
+        raise ValueError(f"document length {padded_len} is not a multiple of 2*cp = {2 * cp_size}")
+    chunk = padded_len // (2 * cp_size)
+    first = cp_rank * chunk
+    second = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
 
 
 def cp_token_indices(padded_lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -23,11 +33,6 @@ def cp_token_indices(padded_lengths: Sequence[int], cp_size: int, cp_rank: int) 
     pieces = []
     offset = 0
     for n in padded_lengths:
-        if n % (2 * cp_size):
-            raise ValueError(f"document length {n} is not a multiple of 2*cp = {2 * cp_size}")
-        chunk = n // (2 * cp_size)
-        first = offset + cp_rank * chunk
-        second = offset + (2 * cp_size - 1 - cp_rank) * chunk
-        pieces += [torch.arange(first, first + chunk), torch.arange(second, second + chunk)]
+        pieces.append(offset + cp_chunk_positions(n, cp_size, cp_rank))
         offset += n
     return torch.cat(pieces)

@@ -16,8 +16,6 @@ from typing import Optional
 
 import torch
 
-from dcp_ext.compat import cpu_compat
-
 
 def transformer_engine_usable() -> bool:
     if not torch.cuda.is_available():
@@ -139,7 +137,6 @@ def build_gpt_model(
 ):
     from megatron.core.models.gpt import GPTModel
 
-    cpu_compat.install()
     if pg_collection is not None:
         pp_rank = pg_collection.pp.rank()
     else:

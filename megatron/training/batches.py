@@ -9,12 +9,12 @@ to a multiple of 2*cp and this rank keeps its load-balanced chunks.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from dcp_ext.runtime.context_parallel import cp_token_indices, round_up
+from dcp_ext.data.thd import FIELDS, pack
+from dcp_ext.runtime.context_parallel import cp_token_indices
 
 
 def document_lengths(tokens: torch.Tensor, eod: Optional[int]) -> list[int]:
@@ -52,56 +52,23 @@ def collate_fixed_length(samples: list[dict], args) -> dict:
 
 
 def pack_documents(rows: dict, eod: Optional[int], cp_size: int, cp_rank: int, sp_multiple: int) -> dict:
-    """THD micro-batch from [b, s] rows: documents padded to 2*cp, the pack to what SP needs."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """THD micro-batch from [b, s] rows: documents padded to 2*cp, the pack to what SP needs.
 
-    pieces = {k: [] for k in rows}
-    lengths, padded = [], []
-    multiple = 2 * cp_size if cp_size > 1 else 1
+    The packer is the runtime's (`dcp_ext.data.thd.pack`); this path keeps its own padding
+    rule: padding positions count on from the document, and the pack's extra padding is a
+    segment of its own.
+    """
+    docs = []
     for r in range(rows["tokens"].shape[0]):
         offset = 0
         for n in document_lengths(rows["tokens"][r], eod):
-            p = round_up(n, multiple)
-            for k, v in rows.items():
-                seg = v[r, offset : offset + n]
-                pad = torch.zeros(p - n, dtype=seg.dtype)
-                if k == "position_ids":
-                    pad = torch.arange(n, p, dtype=seg.dtype)
-                pieces[k] += [seg, pad]
-            lengths.append(n)
-            padded.append(p)
+            docs.append({k: rows[k][r, offset : offset + n].numpy() for k in FIELDS})
             offset += n
-    total = sum(padded)
     # Sequence parallel splits each CP rank's tokens over TP: the pack must divide by tp*cp.
-    extra = 0
-    step = math.lcm(multiple, sp_multiple * cp_size)
-    if total % step:
-        extra = round_up(total, step) - total
-    if extra:
-        for k in rows:
-            pieces[k].append(torch.zeros(extra, dtype=rows[k].dtype))
-        lengths.append(0)
-        padded.append(extra)
-    flat = {k: torch.cat(v).unsqueeze(0) for k, v in pieces.items()}
-    index = cp_token_indices(padded, cp_size, cp_rank)
-    batch = {k: v[:, index] for k, v in flat.items()}
-    cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32)
-    cu_padded = torch.tensor([0] + list(_cumsum(padded)), dtype=torch.int32)
-    batch["packed_seq_params"] = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-        max_seqlen_q=max(padded),
-        max_seqlen_kv=max(padded),
-    )
-    batch["doc_lengths"] = [n for n in lengths if n]
+    thd = pack(docs, pad_each_to=2 * cp_size if cp_size > 1 else 1, pad_total_to=sp_multiple * cp_size,
+               tail="segment", pad_positions="continue")
+    index = cp_token_indices(torch.diff(thd.cu_seqlens_padded).tolist(), cp_size, cp_rank)
+    batch = {k: getattr(thd, k)[index].unsqueeze(0) for k in FIELDS}
+    batch["packed_seq_params"] = thd.packed_seq_params()
+    batch["doc_lengths"] = [n for n in torch.diff(thd.cu_seqlens).tolist() if n]
     return batch
-
-
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
