@@ -72,11 +72,6 @@ class BoundTables:
     cv: np.ndarray = None  # [k] constant of floor (2) (-inf: unusable)
     gamma: np.ndarray = None  # [k] sum b - sum f >= gamma * documents' additive work
 
-    @property
-    def gpu_seconds(self) -> np.ndarray:
-        """Device-seconds per document with memory-bound micro-batch counts (no bubble)."""
-        return self.x1 * self.size[None, :]
-
 
 def _layout_constants(cm: CostModel, lay: Layout):
     """(c0, c0fb, cv, gamma, rho, kappa) of a layout over every recompute level."""

@@ -150,7 +150,6 @@ class AdaptivePlanner(PlannerBase):
             self._register(self.placements[c])
         self._current: Counts | None = None
         self._last_index: int | None = None
-        self.last_choice: dict = {}
 
     def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
         """The static layout's entry joins the pool (first), displacing the last entry the
@@ -291,11 +290,6 @@ class AdaptivePlanner(PlannerBase):
                 if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
                     best = cur_i
         self._current = self.pool.layouts[best]
-        self.last_choice = {
-            "layout": describe(self._current),
-            "estimates": {describe(est[i][1]): est[i][0] for i in ranked[:4]},
-            "planned": {describe(est[i][1]): plans[i][0] for i in plans},
-        }
         return to_iteration_plan(index, sample_ids, plans[best][1], self.cm)
 
     # ------------------------------------------------------------------ one layout in full

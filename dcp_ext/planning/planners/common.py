@@ -200,14 +200,6 @@ class PackedReplica:
     peak_bytes: float = 0.0
 
 
-def _mb_stats(s: np.ndarray, docs: Sequence[int]) -> tuple[float, float, int]:
-    if len(docs) == 1:
-        x = float(s[docs[0]])
-        return x * x, x, 1
-    v = s[list(docs)].astype(float)
-    return float(np.dot(v, v)), float(v.sum()), len(docs)
-
-
 def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float) -> list[list[int]]:
     """Bins of total size <= cap (a larger item gets a bin of its own)."""
     order = sorted(docs, key=lambda d: -sizes[d])
@@ -288,20 +280,6 @@ def pack_replica(
                 if b:
                     mbs.append((b, 0))
     return mbs
-
-
-def order_for_pipeline(cm: CostModel, layout: Layout, s: np.ndarray, mbs: list[tuple[list[int], int]], keep_order: bool = False):
-    """Order micro-batches for 1F1B: by cost descending (the fill pays a third of the
-    largest, the drain the smallest; neighbours of similar size hide each other).
-    Returns (ordered mbs, fwd list, bwd list)."""
-    stats = []
-    for docs, rs in mbs:
-        s2, t, n = _mb_stats(s, docs)
-        f, b = cm.coeffs(layout, rs).mb_fwd_bwd(s2, t, n)
-        stats.append((f + b, f, b, docs, rs))
-    if layout.pp > 1 and len(stats) > 1 and not keep_order:
-        stats.sort(key=lambda x: -x[0])
-    return [(x[3], x[4]) for x in stats], [x[1] for x in stats], [x[2] for x in stats]
 
 
 def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], int]], float]:
