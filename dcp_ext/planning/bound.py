@@ -49,7 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout
 
 _EPS = 1e-9  # relative slack on capacities (valid direction: a larger capacity)
 

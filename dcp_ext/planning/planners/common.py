@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
 from dcp_ext.planning.simulator import one_f_one_b
 
@@ -156,11 +157,11 @@ def place(layouts: Sequence[Layout], world: int) -> list[tuple[Layout, list[int]
     return out
 
 
-def canonical(counts: dict[Layout, int]) -> tuple[tuple[Layout, int], ...]:
+def canonical(counts: dict[Layout, int]) -> LayoutMix:
     return tuple(sorted(((Layout(*k), v) for k, v in counts.items() if v > 0), key=lambda kv: (-kv[0].size, -kv[0].tp, -kv[0].cp, -kv[0].pp)))
 
 
-def parse_layout(spec) -> tuple[tuple[Layout, int], ...]:
+def parse_layout(spec) -> LayoutMix:
     """"4xtp1cp1pp1", "1xtp2cp1pp1+2xtp1cp1pp1" or a list of (tp, cp, pp) replicas."""
     import re
 
