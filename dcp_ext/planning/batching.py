@@ -6,11 +6,7 @@ next batch. Planners never choose batch membership, only placement.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
-
-
-def truncate(lengths: Iterable[int], max_seq_len: int) -> list[int]:
-    return [min(int(s), max_seq_len) for s in lengths]
+from typing import Iterator, Sequence
 
 
 def iter_global_batches(

@@ -49,7 +49,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout
 
 _EPS = 1e-9  # relative slack on capacities (valid direction: a larger capacity)
 
@@ -71,11 +72,6 @@ class BoundTables:
     c0fb: np.ndarray = None  # [k] least forward constant + least backward constant: floor (1)
     cv: np.ndarray = None  # [k] constant of floor (2) (-inf: unusable)
     gamma: np.ndarray = None  # [k] sum b - sum f >= gamma * documents' additive work
-
-    @property
-    def gpu_seconds(self) -> np.ndarray:
-        """Device-seconds per document with memory-bound micro-batch counts (no bubble)."""
-        return self.x1 * self.size[None, :]
 
 
 def _layout_constants(cm: CostModel, lay: Layout):

@@ -505,16 +505,6 @@ class CostModel:
         per = max(kp + tr + lg, in_flight * kp + tr)
         return free / per
 
-    def min_recompute(self, layout: Layout, tokens: float, in_flight: int = 1, others_keep_bytes: float = 0.0) -> int | None:
-        """Fewest recomputed layers per stage so a micro-batch of `tokens` fits beside
-        `others_keep_bytes` of other in-flight micro-batches; None if none does."""
-        free = self.capacity_bytes - self.state_bytes(layout) - others_keep_bytes
-        for rs in range(self.layers_per_stage(layout) + 1):
-            kp, tr, lg = self.act_bytes_per_token(layout, rs)
-            if tokens * (kp + tr + lg) <= free and tokens * (kp + tr) <= free:
-                return rs
-        return None
-
     # ------------------------------------------------------------------ layouts the cluster allows
     def all_layouts(self, power_of_two: bool = True) -> list[Layout]:
         """Every valid (tp, cp, pp) whose replica size divides the world and whose model
@@ -536,12 +526,3 @@ class CostModel:
 
 def next_pow2(x: float) -> int:
     return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
-
-
-def describe_coeffs(cm: CostModel, layouts: Iterable[Layout]) -> str:
-    rows = []
-    for lay in layouts:
-        c = cm.coeffs(lay, 0)
-        rows.append(f"{lay}: a={c.a:.3e} b={c.b:.3e} c0={c.c0:.3e} sync={cm.sync_time(lay):.3f}s "
-                    f"max_tokens={cm.max_tokens(lay, 0):.0f}/{cm.max_tokens(lay, cm.layers_per_stage(lay)):.0f}")
-    return "\n".join(rows)

@@ -191,7 +191,7 @@ class Profile:
             return f.predict(record.lengths, record.num_layers)
         if cost_model is None:
             raise KeyError(f"no fit for strategy {record.key} and no cost model to fall back on")
-        from dcp_ext.planning.cost_model import Layout
+        from dcp_ext.planning.layout import Layout
 
         lay = Layout(record.tp, record.cp, record.pp)
         rs = cost_model.stage_recompute(lay, record.recompute_layers)
@@ -202,7 +202,7 @@ class Profile:
         cache = getattr(self, "_ratio_cache", None)
         if cache is not None and cache[0] is cm:
             return cache[1]
-        from dcp_ext.planning.cost_model import Layout
+        from dcp_ext.planning.layout import Layout
 
         ra, rb, rc = [], [], []
         for f in self.fits.values():
@@ -352,7 +352,7 @@ def profile_grid(cost_model, max_len: int, layouts=None, recompute=("none", "ful
     whose total spans `min_len`..`max_len` geometrically. Returns dicts with tp, cp, pp,
     recompute_layers and lengths, ready to become ProfileRecords once timed. Distinct
     totals per strategy let `split_holdout` keep lengths out of the fit."""
-    from dcp_ext.planning.cost_model import Layout
+    from dcp_ext.planning.layout import Layout
 
     lays = [Layout(*l) for l in layouts] if layouts is not None else cost_model.all_layouts()
     totals = sorted({int(round(x)) for x in np.geomspace(min_len, max_len, points)})

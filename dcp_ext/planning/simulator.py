@@ -27,7 +27,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan, ReplicaPlan
 
 

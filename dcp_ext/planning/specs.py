@@ -9,7 +9,6 @@ collectives (bus bandwidth), not the marketing peak.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -72,10 +71,6 @@ class ClusterSpec:
     @property
     def memory_bytes(self) -> float:
         return self.gpu.memory_bytes
-
-    @property
-    def num_nodes(self) -> int:
-        return max(1, math.ceil(self.num_gpus / self.gpus_per_node))
 
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a collective over `span` consecutive ranks."""

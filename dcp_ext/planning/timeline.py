@@ -10,7 +10,8 @@ from typing import Mapping
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.simulator import one_f_one_b
 

@@ -4,7 +4,7 @@ Why it exists: this is the system's brain (DESIGN.md step 2). Given one global b
 returns the plan the runtime executes.
 
 Per iteration:
-  1. rank the candidate layouts (`dcp_ext.planning.candidates`, built once per run) with the
+  1. rank the candidate layouts (`dcp_ext.planning.planners.candidates`, built once per run) with the
      water-filling estimate: longest documents to the types that finish them fastest;
   2. plan the best ones in full (those within the estimate's accuracy of the best, and
      the current layout when staying on it is plausible). Stage 1: earliest finish time,
@@ -34,10 +34,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.candidates import BatchPrep, Counts, Pool, build_pool, screen, stderr_progress
-from dcp_ext.planning.cost_model import Layout
+from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
+from dcp_ext.planning.planners.candidates import BatchPrep, Pool, build_pool, screen, stderr_progress
 from dcp_ext.planning.planners.common import (
     PackedReplica,
     canonical,
@@ -132,7 +132,7 @@ class AdaptivePlanner(PlannerBase):
             self.placements = {}
             self.pool_tables = self.tables
 
-            def exact(prep: BatchPrep, counts: Counts) -> float:
+            def exact(prep: BatchPrep, counts: LayoutMix) -> float:
                 if counts not in self.placements:
                     self.placements[counts] = place(expand(counts), cluster.num_gpus)
                 t, order, bounds = screen(prep, counts)
@@ -140,7 +140,7 @@ class AdaptivePlanner(PlannerBase):
 
             self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb,
                                    extra_batches=extras, exact=exact)
-        self.static_entry: Counts | None = None
+        self.static_entry: LayoutMix | None = None
         if static_layout is not None:
             self._add_static_entry(Layout(*static_layout), max_layouts, layout_filter)
         self._charge_pool_buffers(recompute)
@@ -148,9 +148,8 @@ class AdaptivePlanner(PlannerBase):
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
         for c in self.pool.layouts:
             self._register(self.placements[c])
-        self._current: Counts | None = None
+        self._current: LayoutMix | None = None
         self._last_index: int | None = None
-        self.last_choice: dict = {}
 
     def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
         """The static layout's entry joins the pool (first), displacing the last entry the
@@ -174,7 +173,7 @@ class AdaptivePlanner(PlannerBase):
             drop = next((i for i in range(len(others) - 1, -1, -1)
                          if not holds(others[i]) or holds(entry) or sum(holds(c) for c in others) > 1), None)
             others.pop(len(others) - 1 if drop is None else drop)
-        self.pool = Pool([entry] + others, p.types, np.zeros((len(others) + 1, 0)), p.dp_layouts)
+        self.pool = Pool([entry] + others, p.types, np.zeros((len(others) + 1, 0)), p.considered)
 
     def _charge_pool_buffers(self, recompute: str) -> None:
         """A rank's stages share one buffer sized to the pool's largest stage: from now on
@@ -209,7 +208,7 @@ class AdaptivePlanner(PlannerBase):
         if len(fits) < len(self.pool.layouts):
             p = self.pool
             times = p.sample_times[fits] if len(p.sample_times) == len(p.layouts) else p.sample_times
-            self.pool = Pool([p.layouts[i] for i in fits], p.types, times, p.dp_layouts)
+            self.pool = Pool([p.layouts[i] for i in fits], p.types, times, p.considered)
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
@@ -291,15 +290,10 @@ class AdaptivePlanner(PlannerBase):
                 if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
                     best = cur_i
         self._current = self.pool.layouts[best]
-        self.last_choice = {
-            "layout": describe(self._current),
-            "estimates": {describe(est[i][1]): est[i][0] for i in ranked[:4]},
-            "planned": {describe(est[i][1]): plans[i][0] for i in plans},
-        }
         return to_iteration_plan(index, sample_ids, plans[best][1], self.cm)
 
     # ------------------------------------------------------------------ one layout in full
-    def _full_plan(self, prep: BatchPrep, counts: Counts, order, bounds: list[int]) -> list[PackedReplica]:
+    def _full_plan(self, prep: BatchPrep, counts: LayoutMix, order, bounds: list[int]) -> list[PackedReplica]:
         placement = self.placements[counts]
         R = len(placement)
         by_type: dict[Layout, list[int]] = {}
@@ -385,7 +379,7 @@ class AdaptivePlanner(PlannerBase):
             out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
         return out
 
-    def _assign_plan(self, prep: BatchPrep, counts: Counts, t_est: float) -> list[PackedReplica] | None:
+    def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float) -> list[PackedReplica] | None:
         """Stage 1 + 2 by dcp_ext.assign.plan_replicas. Its cost model has no per-replica
         constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
         scaled times then mean equal finish times with sync), and micro-batches are capped

@@ -100,6 +100,3 @@ class PlannerBase:
         if len(s) and s.min() < 1:
             raise ValueError("sequence lengths must be >= 1")
         return s
-
-    def spec_header(self) -> tuple[dict, dict]:
-        return self.cluster.to_json(), self.model.to_json()

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
 from dcp_ext.planning.simulator import one_f_one_b
 
@@ -156,11 +157,11 @@ def place(layouts: Sequence[Layout], world: int) -> list[tuple[Layout, list[int]
     return out
 
 
-def canonical(counts: dict[Layout, int]) -> tuple[tuple[Layout, int], ...]:
+def canonical(counts: dict[Layout, int]) -> LayoutMix:
     return tuple(sorted(((Layout(*k), v) for k, v in counts.items() if v > 0), key=lambda kv: (-kv[0].size, -kv[0].tp, -kv[0].cp, -kv[0].pp)))
 
 
-def parse_layout(spec) -> tuple[tuple[Layout, int], ...]:
+def parse_layout(spec) -> LayoutMix:
     """"4xtp1cp1pp1", "1xtp2cp1pp1+2xtp1cp1pp1" or a list of (tp, cp, pp) replicas."""
     import re
 
@@ -198,14 +199,6 @@ class PackedReplica:
     pipeline_s: float = 0.0
     sync_s: float = 0.0
     peak_bytes: float = 0.0
-
-
-def _mb_stats(s: np.ndarray, docs: Sequence[int]) -> tuple[float, float, int]:
-    if len(docs) == 1:
-        x = float(s[docs[0]])
-        return x * x, x, 1
-    v = s[list(docs)].astype(float)
-    return float(np.dot(v, v)), float(v.sum()), len(docs)
 
 
 def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float) -> list[list[int]]:
@@ -288,20 +281,6 @@ def pack_replica(
                 if b:
                     mbs.append((b, 0))
     return mbs
-
-
-def order_for_pipeline(cm: CostModel, layout: Layout, s: np.ndarray, mbs: list[tuple[list[int], int]], keep_order: bool = False):
-    """Order micro-batches for 1F1B: by cost descending (the fill pays a third of the
-    largest, the drain the smallest; neighbours of similar size hide each other).
-    Returns (ordered mbs, fwd list, bwd list)."""
-    stats = []
-    for docs, rs in mbs:
-        s2, t, n = _mb_stats(s, docs)
-        f, b = cm.coeffs(layout, rs).mb_fwd_bwd(s2, t, n)
-        stats.append((f + b, f, b, docs, rs))
-    if layout.pp > 1 and len(stats) > 1 and not keep_order:
-        stats.sort(key=lambda x: -x[0])
-    return [(x[3], x[4]) for x in stats], [x[1] for x in stats], [x[2] for x in stats]
 
 
 def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list[int], int]]) -> tuple[list[tuple[list[int], int]], float]:

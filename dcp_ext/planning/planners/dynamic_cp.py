@@ -31,7 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import Layout, next_pow2
+from dcp_ext.planning.cost_model import next_pow2
+from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.common import (

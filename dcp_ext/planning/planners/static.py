@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import Layout
+from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.common import (

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.cost_model import CostModel, Layout
+from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.planners.common import (
     DocCosts,
     PlanningError,
@@ -37,7 +38,6 @@ from dcp_ext.planning.planners.common import (
     pipeline_capacity,
 )
 
-Counts = tuple[tuple[Layout, int], ...]
 BIG = 1e30
 
 
@@ -130,7 +130,7 @@ def _fill(prep: BatchPrep, order: Sequence[tuple[Layout, int, float]], T: float)
     return pos >= n, bounds
 
 
-def screen(prep: BatchPrep, counts: Counts, rel_tol: float = 2e-3, lo: float = 0.0) -> tuple[float, list[tuple[Layout, int, float]], list[int]]:
+def screen(prep: BatchPrep, counts: LayoutMix, rel_tol: float = 2e-3, lo: float = 0.0) -> tuple[float, list[tuple[Layout, int, float]], list[int]]:
     """Estimated iteration time of `counts` on this batch (inf if it cannot run it), the
     type order used and the document boundaries per type at that time."""
     R = sum(c for _, c in counts)
@@ -205,7 +205,7 @@ def prune_types(cm: CostModel, tables: dict[Layout, TypeTable], lengths: np.ndar
     return chosen
 
 
-# ---------------------------------------------------------------------------- DP per batch
+# ---------------------------------------------------------------------------- dynamic program per batch
 def _bins(prep: BatchPrep, ref: TypeOnBatch, singles: int = 16, groups: int = 48) -> np.ndarray:
     n = prep.n
     head = min(n, singles)
@@ -220,10 +220,10 @@ def _bins(prep: BatchPrep, ref: TypeOnBatch, singles: int = 16, groups: int = 48
     return np.unique(np.asarray(b, dtype=np.int64))
 
 
-def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float, rel_tol: float = 5e-3,
-              num_replicas: int | None = None) -> tuple[Counts, float]:
-    """The layout (counts per type) this batch wants, by bisection on the iteration time
-    with a DP over types (in order) and contiguous document ranges (bins)."""
+def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
+                                rel_tol: float = 5e-3, num_replicas: int | None = None) -> tuple[LayoutMix, float]:
+    """The layout mix (replicas per type) this batch wants, by bisection on the iteration
+    time with a dynamic program over types (in order) and contiguous document ranges (bins)."""
     order = _type_order(prep, layouts)
     order = [l for l in order if prep.types[l].first_ok < prep.n or prep.n == 0]
     if not order:
@@ -277,7 +277,7 @@ def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
             break
         lo, hi = hi, hi * 1.25
     else:
-        raise PlanningError("no layout found for a batch (DP diverged)")
+        raise PlanningError("no layout found for a batch (the dynamic program diverged)")
     for _ in range(40):
         if hi - lo <= rel_tol * hi:
             break
@@ -297,7 +297,7 @@ def dp_layout(prep: BatchPrep, layouts: Sequence[Layout], world: int, lo: float,
     return canonical(counts), hi
 
 
-def fill_leftover(prep: BatchPrep, counts: Counts, options: Sequence[Layout], world: int) -> Counts:
+def fill_leftover(prep: BatchPrep, counts: LayoutMix, options: Sequence[Layout], world: int) -> LayoutMix:
     """Give unused devices to the type whose extra replica helps this batch most."""
     used = sum(l.size * c for l, c in counts)
     cur = dict(counts)
@@ -323,10 +323,10 @@ def fill_leftover(prep: BatchPrep, counts: Counts, options: Sequence[Layout], wo
 # ---------------------------------------------------------------------------- the pool
 @dataclass
 class Pool:
-    layouts: list[Counts]
-    types: list[Layout]  # types the DP considered (pruned)
+    layouts: list[LayoutMix]
+    types: list[Layout]  # types the dynamic program considered (pruned)
     sample_times: np.ndarray  # [layouts, sample batches] screening estimates
-    dp_layouts: list[Counts]
+    considered: list[LayoutMix]  # the mixes the cover chose from (the dynamic program's, one-type holders)
 
 
 def build_pool(
@@ -339,7 +339,7 @@ def build_pool(
     prune: bool = False,
     extra_batches: Sequence[np.ndarray] = (),
     extra_weight: float = 0.25,
-    exact: Callable[[BatchPrep, Counts], float] | None = None,
+    exact: Callable[[BatchPrep, LayoutMix], float] | None = None,
     shortlist: int = 3,
 ) -> Pool:
     """Pick <= max_layouts layouts for the run (see the module docstring).
@@ -374,7 +374,7 @@ def build_pool(
     fastest_holder = min(holders, key=lambda l: (doc_costs(cm, tables[l], np.array([max_seq_len])).alone[0] + cm.sync_time(l, None), -l.size))
     if fastest_holder not in types:
         types.append(fastest_holder)
-    found: list[Counts] = []
+    found: list[LayoutMix] = []
     synth = np.append(batches[0], max_seq_len) if batches else np.array([max_seq_len])
     extras = [np.asarray(b) for b in extra_batches if len(b)]
     for b in extras:
@@ -383,10 +383,10 @@ def build_pool(
     weights = np.array([1.0] * (len(preps) - len(extras)) + [extra_weight] * len(extras))
     jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables)))]
     for k, (prep, lb) in enumerate(jobs):
-        counts, _ = dp_layout(prep, types, world, lb)
+        counts, _ = best_mix_by_dynamic_program(prep, types, world, lb)
         # again with the sync of as many replicas as that layout has (each device also
         # sends its shard to every replica)
-        counts2, _ = dp_layout(prep, types, world, lb, num_replicas=sum(c for _, c in counts))
+        counts2, _ = best_mix_by_dynamic_program(prep, types, world, lb, num_replicas=sum(c for _, c in counts))
         if screen(prep, counts2)[0] < screen(prep, counts)[0]:
             counts = counts2
         counts = fill_leftover(prep, counts, types, world)
