@@ -1,5 +1,5 @@
 """Bad inputs, as a table: each ends with one clear `error:` line and a non-zero exit, and
-loses nothing (issue 6).
+loses nothing.
 
 Why a table: every row is one way a user or a machine can get a run wrong (flags, layouts,
 YAML, data files, --dcp limits, checkpoints, NaN/inf loss, a rank that dies), with the
@@ -33,7 +33,8 @@ if __name__ != "__main__":
     import pytest
 
     from tests.conftest import TINY_MODEL
-    from tests.helpers import ENTRY, REPO, ForkServerClient, drop_flags, launch, read_loss_log
+    from tests.helpers import (ENTRY, REPO, ForkServerClient, drop_flags, kill_tree, read_loss_log, run_ranks,
+                               start_ranks)
     from tests.test_bad_input import assert_one_line_error
 
     pytestmark = pytest.mark.dist
@@ -126,7 +127,7 @@ class FreshRunner:
 
     def run(self, argv, env=None, timeout=180, entry=None):
         if entry is None:
-            return launch(argv, nproc=1, env=env, timeout=timeout)
+            return run_ranks(1, argv, env=env, timeout=timeout)
         full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
         return subprocess.run([sys.executable, os.path.join(REPO, entry)] + argv, cwd=REPO, env=full_env,
                               capture_output=True, text=True, timeout=timeout)
@@ -239,7 +240,7 @@ CASES = [
     Case("nan-loss-dcp", NAN, "NaN/inf iterations in a row", base="dcp"),
 ]
 
-# No lost work (issue 12, defects 1-2): every path the run writes is checked before training
+# No lost work: every path the run writes is checked before training
 # starts (megatron/training/preflight.py), and the loader never takes a save's leftovers for a
 # checkpoint. {out}: a file `afile`, a read-only dir `ro`, a full file system `full`, and
 # checkpoint directories a crashed save could leave (make_output_fixtures, below).
@@ -335,7 +336,7 @@ def make_output_fixtures(root: str, static_ckpt: str, on_teardown) -> tuple[str,
         unavailable["full"] = "needs root to mount a 64 KiB tmpfs (a full disk)"
     return root, unavailable
 
-# Validation (issue 12, defects 3-11): the whole configuration is checked in one place
+# Validation: the whole configuration is checked in one place
 # (arguments.validate_args: ranges, relations, YAML types, input-file syntax), token ids where
 # each micro-batch is built, checkpoints by an inspector that names the missing or damaged
 # file, OS errors said as such; and the planning tools (tool="plan"/"simulate": dcp-plan and
@@ -783,7 +784,7 @@ if __name__ != "__main__":
 
     def test_layout_error_on_real_ranks(paths):
         argv = argv_for(Case("x", ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], ""), paths)
-        r = launch(argv, nproc=2, timeout=180)
+        r = run_ranks(2, argv, timeout=180)
         assert r.returncode != 0
         lines = _worker_lines(r.stderr)
         assert lines == ["error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2"], r.stderr[-3000:]
@@ -797,10 +798,8 @@ if __name__ != "__main__":
         log = str(work / "loss.jsonl")
         argv = argv_for(Case("x", ["--train-iters", "100000", "--load", "{dcp_ckpt}", "--save", str(work / "save"),
                                    "--save-interval", "100000", "--loss-log", log], "", base="dcp"), paths)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ENTRY] + argv
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         with open(work / "out", "w") as out, open(work / "err", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+            proc = start_ranks(2, argv, out, err)
             try:
                 deadline = time.time() + 300
                 while time.time() < deadline and proc.poll() is None:
@@ -819,10 +818,7 @@ if __name__ != "__main__":
                     code = None
                 waited = time.time() - killed_at
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_tree(proc)
         return code, waited, open(work / "err").read(), read_loss_log(log)
 
     def test_rank_killed_mid_run_exits_and_loses_nothing(killed_run, paths):

@@ -1,4 +1,4 @@
-"""Upstream's own launch lines run here unchanged but for sizes and paths (issue 13).
+"""Upstream's own launch lines run here unchanged but for sizes and paths.
 
 `tests/data/upstream/*.args` are the argument lists two of upstream Megatron-LM's Llama-3 8B
 example scripts pass to `pretrain_gpt.py`. A user swaps in `pretrain_gpt_dcp.py`; only what
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.helpers import REPO, drop_flags, launch, read_loss_log
+from tests.helpers import REPO, drop_flags, read_loss_log, run_ranks
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -61,7 +61,7 @@ def runnable_here(argv: list[str]) -> tuple[list[str], list[str]]:
     drop that flag and go on. Returns the runnable line and the flags refused, in order."""
     refused = []
     for _ in range(len(MAY_REFUSE) + 1):
-        proc = launch(drop_flags(argv, "--train-samples") + ["--train-samples", "8"], nproc=1, timeout=300)  # 1 iteration
+        proc = run_ranks(1, drop_flags(argv, "--train-samples") + ["--train-samples", "8"], timeout=300)  # 1 iteration
         if proc.returncode == 0:
             return argv, refused
         assert_one_line_error(proc, "error: --")
@@ -98,7 +98,7 @@ def test_upstream_line_trains_on_four_cpu_ranks(runnable, name, dcp, tmp_path):
         argv = drop_flags(argv, flag)
     log = str(tmp_path / "loss.jsonl")
     argv += ["--loss-log", log] + (["--dcp"] if dcp else [])
-    proc = launch(argv, nproc=4, timeout=900)
+    proc = run_ranks(4, argv, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["lm loss"] for r in read_loss_log(log)]
     assert len(losses) == 96 // 8, losses
