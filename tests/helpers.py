@@ -48,7 +48,9 @@ def _worker(rank, world_size, port, fn, args, env, result_dir):
 
 def rank_env(env: dict | None = None) -> dict:
     """The environment of a launched run: this repository first on the path, one thread a rank."""
-    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    full = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full.update(env or {})
+    return full
 
 
 def start_ranks(nproc: int, flags: list[str], out, err=subprocess.STDOUT, *, max_restarts: int = 0,
@@ -195,11 +197,12 @@ class ForkServerClient:
     """Client of a test file's fork server (`python FILE --serve`: imports once, then forks one
     child per JSON request line and answers one JSON line). Subclasses add the request shape.
 
-    Why it exists: speed. The bad-input table and the save-fault rows are hundreds of
+    Why it exists: speed. The bad-input table, the refused upstream launch lines
+    (tests/entry_runner.py) and the save-fault rows (test_save_faults.py) are hundreds of
     single-process runs that each end in an error line or a fault; a fresh interpreter would
     spend ~5 s of imports (torch, megatron-core) per row on 2 shared cores, a fork costs only
-    the row's own work. It is not a rank launcher: every child is one process with no process
-    group of its own making; a real multi-rank run goes through run_ranks."""
+    the row's own work. It is not a rank launcher: every child is one process, never several
+    ranks; a real multi-rank run goes through run_ranks."""
 
     def __init__(self, script: str, env: dict, what: str):
         self.count = 0
