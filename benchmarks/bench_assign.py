@@ -254,7 +254,7 @@ def batch_quality_section(data: dict, args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=DATA_DIR, help="folder of length files (default: the repo's data/lengths)")
-    ap.add_argument("--exact-instances", type=int, default=24, help="small instances solved by HiGHS (issue: 200)")
+    ap.add_argument("--exact-instances", type=int, default=24, help="small instances solved by HiGHS (acceptance: 200)")
     ap.add_argument("--exact-time-limit", type=float, default=20.0, help="HiGHS seconds per instance")
     ap.add_argument("--exact-gap", type=float, default=1e-3, help="HiGHS relative optimality gap")
     ap.add_argument("--batches", type=int, default=2, help="global batches per file for section 5")

@@ -1,7 +1,7 @@
 """Cost model vs reality on this machine: predicted vs measured micro-batch times on
 document lengths the profile was not fitted on, for the profiled and the analytic model.
 
-Why it exists: the planner is only as good as its prices. Issue 7 asks that, after
+Why it exists: the planner is only as good as its prices. The acceptance asks that, after
 `dcp-profile` on the CPU demo model, predicted micro-batch times be within 15% mean
 absolute error of measured ones on held-out lengths. This prints the evidence (ratios,
 no asserts on time).

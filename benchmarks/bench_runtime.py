@@ -1,4 +1,4 @@
-"""Adaptive vs static on the real runtime, side by side in one run (issue 5, acceptance 4).
+"""Adaptive vs static on the real runtime, side by side in one run.
 
 Trains the CPU demo (examples/cpu_demo.yaml: byte-level standard-library sources, 4 gloo
 ranks) with `--dcp` under the static planner and the adaptive planner on the same data,

@@ -1,6 +1,6 @@
-"""The issue-7 acceptance matrix: every planner on the same batches, as dcp-simulate tables.
+"""The planners' acceptance matrix: every planner on the same batches, as dcp-simulate tables.
 
-Why it exists: the closing note of the planner issue reports these tables; this script
+Why it exists: the planners' acceptance report quotes these tables; this script
 reproduces them in one go and prints the measured ratios the acceptance asks about
 (speedups vs each baseline, gap to the lower bound, planning time). It asserts nothing
 (benchmarks print, tests assert).

@@ -1,4 +1,4 @@
-"""Soak run (issue 6): N adaptive iterations of the CPU demo on 4 ranks, a checkpoint every
+"""Soak run: N adaptive iterations of the CPU demo on 4 ranks, a checkpoint every
 K, two forced kills (SIGKILL of one worker; torchrun --max-restarts brings the job back
 from the last checkpoint), compared loss for loss with an unbroken run.
 

@@ -1,4 +1,6 @@
-"""Test helpers: spawn gloo ranks in-process, launch the real entry point under torchrun."""
+"""Test helpers: the one way tests run real ranks (run_ranks: the entry point under torchrun,
+or a function on spawned gloo ranks), the fork-server client for fast single-process rows,
+and small shared utilities."""
 from __future__ import annotations
 
 import json
@@ -22,12 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
+def _worker(rank, world_size, port, fn, args, env, result_dir):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
 
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     from dcp_ext.compat import cpu_compat
 
@@ -43,34 +46,48 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args):
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the JSON-able results."""
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
-                           start_method="spawn", join=True)
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(d, f"{r}.json")) as f:
-                status = json.load(f)
-            if not status["ok"]:
-                raise AssertionError(f"rank {r} failed:\n{status['error']}")
-            results.append(status["result"])
-    return results
+def rank_env(env: dict | None = None) -> dict:
+    """The environment of a launched run: this repository first on the path, one thread a rank."""
+    full = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full.update(env or {})
+    return full
 
 
-def launch(flags: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run pretrain_gpt_dcp.py with `flags` on `nproc` CPU ranks (torchrun), capturing output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", ENTRY]
-    if nproc == 1:
-        cmd = [sys.executable, ENTRY]
-    full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    full_env.update(env or {})
+def start_ranks(nproc: int, flags: list[str], out, err=subprocess.STDOUT, *, max_restarts: int = 0,
+                env: dict | None = None) -> subprocess.Popen:
+    """Start pretrain_gpt_dcp.py with `flags` on `nproc` CPU ranks and return at once: torchrun
+    (with `max_restarts`), or plain python for one rank without restarts. For tests that signal
+    or kill ranks mid-run; `out`/`err` are open files (never pipes, see run_ranks). The caller
+    ends it with kill_tree."""
+    cmd = [sys.executable, ENTRY]
+    if nproc > 1 or max_restarts:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", ENTRY]
+    return subprocess.Popen(cmd + flags, cwd=REPO, env=rank_env(env), stdout=out, stderr=err, text=True,
+                            start_new_session=True)
+
+
+def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tuple = (), env: dict | None = None,
+              timeout: int = 600):
+    """Run a real job on `nproc` CPU gloo ranks and wait for it; give exactly one of:
+
+    flags: the real entry point, `pretrain_gpt_dcp.py FLAGS`, under torchrun (plain python for
+        one rank). Returns the CompletedProcess (exit code, stdout, stderr); a job past
+        `timeout` s is killed and raises subprocess.TimeoutExpired.
+    fn: `fn(rank, world_size, *args)` in `nproc` freshly spawned processes, each with its gloo
+        process group up (for tests that drive the runtime directly). Returns the ranks'
+        JSON-able results in rank order; raises AssertionError naming the first rank that
+        raised, or on timeout.
+    """
+    if (flags is None) == (fn is None):
+        raise TypeError("run_ranks takes flags or fn, not both")
+    if fn is not None:
+        return _run_function(nproc, fn, args, env or {}, timeout)
     # Output goes to files, not pipes, and the whole process group is killed afterwards:
     # dist-checkpointing starts a multiprocessing manager per rank that outlives a rank
     # killed mid-save and would otherwise hold a pipe open forever.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd + flags, cwd=REPO, env=full_env, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        proc = start_ranks(nproc, flags, out, err, env=env)
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -78,6 +95,28 @@ def launch(flags: list[str], nproc: int = 1, env: dict | None = None, timeout: i
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
+
+
+def _run_function(nproc: int, fn, args: tuple, env: dict, timeout: int) -> list:
+    import time
+
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_worker, args=(nproc, free_port(), fn, args, env, d), nprocs=nproc,
+                                 start_method="spawn", join=False)
+        deadline = time.time() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.time())):
+            if time.time() >= deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise AssertionError(f"{fn.__name__} on {nproc} ranks: still running after {timeout} s")
+        results = []
+        for r in range(nproc):
+            with open(os.path.join(d, f"{r}.json")) as f:
+                status = json.load(f)
+            if not status["ok"]:
+                raise AssertionError(f"rank {r} failed:\n{status['error']}")
+            results.append(status["result"])
+    return results
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -107,6 +146,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def read_loss_log(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_plan_log(path: str) -> dict[int, dict]:
+    """A --dcp-log-plan file by iteration index; a restarted run re-logs: the last one counts."""
+    plans = {}
+    with open(path) as f:
+        for line in f:
+            it = json.loads(line)
+            plans[it["index"]] = it
+    return plans
 
 
 def reap_forked(pid: int, timeout: float, poll: float = 0.05) -> tuple[int, bool]:
@@ -146,7 +195,14 @@ def drop_flags(flags: list[str], *names: str) -> list[str]:
 
 class ForkServerClient:
     """Client of a test file's fork server (`python FILE --serve`: imports once, then forks one
-    child per JSON request line and answers one JSON line). Subclasses add the request shape."""
+    child per JSON request line and answers one JSON line). Subclasses add the request shape.
+
+    Why it exists: speed. The bad-input table, the refused upstream launch lines
+    (tests/entry_runner.py) and the save-fault rows (test_save_faults.py) are hundreds of
+    single-process runs that each end in an error line or a fault; a fresh interpreter would
+    spend ~5 s of imports (torch, megatron-core) per row on 2 shared cores, a fork costs only
+    the row's own work. It is not a rank launcher: every child is one process, never several
+    ranks; a real multi-rank run goes through run_ranks."""
 
     def __init__(self, script: str, env: dict, what: str):
         self.count = 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dcp_ext.assign import (BASELINES, ReplicaCost, balance, baseline_plan, cpp_available, estimate, pack,
                             plan_replicas, replica_time, seq_cost)
-from tests.test_assign_strategies import IMPLS, instances, replica_costs
+from tests.assign_strategies import IMPLS, instances, replica_costs
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dcp_ext.assign import ReplicaCost, estimate, replica_time, seq_cost
 from dcp_ext.assign.rng import SplitMix64
-from tests.test_assign_strategies import replica_costs
+from tests.assign_strategies import replica_costs
 
 
 def test_replica_time_by_hand():

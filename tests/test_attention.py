@@ -7,7 +7,7 @@ import torch
 
 from dcp_ext.runtime.attention import document_causal_attention
 from dcp_ext.runtime.context_parallel import cp_token_indices
-from tests.helpers import spawn
+from tests.helpers import run_ranks
 
 
 def dense_reference(q, k, v, lengths, scale):
@@ -82,6 +82,6 @@ def _cp_worker(rank, world, lengths):
 @pytest.mark.dist
 @pytest.mark.parametrize("cp,lengths", [(2, [8, 4, 12]), (4, [16, 8])])
 def test_context_parallel_matches_full_attention_forward_and_backward(cp, lengths):
-    for errors in spawn(_cp_worker, cp, lengths):
+    for errors in run_ranks(cp, fn=_cp_worker, args=(lengths,)):
         for name, err in errors.items():
             assert err < 1e-10, (name, err)

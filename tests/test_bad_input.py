@@ -4,7 +4,7 @@ import os
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import launch
+from tests.helpers import run_ranks
 
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1"]
 
@@ -18,7 +18,7 @@ def assert_one_line_error(result, needle):
 
 
 def test_missing_data_path(tmp_path):
-    r = launch(TINY_MODEL + BATCH + ["--data-path", str(tmp_path / "nope_text_document")])
+    r = run_ranks(1, TINY_MODEL + BATCH + ["--data-path", str(tmp_path / "nope_text_document")])
     assert_one_line_error(r, "nope_text_document")
 
 
@@ -29,17 +29,17 @@ def test_corrupt_index_file(text_corpus, tmp_path):
         data = f.read()
     with open(prefix + ".idx", "wb") as f:
         f.write(b"garbage!" + data[8:])
-    r = launch(TINY_MODEL + BATCH + ["--data-path", prefix])
+    r = run_ranks(1, TINY_MODEL + BATCH + ["--data-path", prefix])
     assert_one_line_error(r, "bad_text_document.idx")
 
 
 def test_invalid_layout(text_corpus):
-    r = launch(TINY_MODEL + BATCH + ["--data-path", text_corpus, "--tensor-model-parallel-size", "2"])
+    r = run_ranks(1, TINY_MODEL + BATCH + ["--data-path", text_corpus, "--tensor-model-parallel-size", "2"])
     assert_one_line_error(r, "world size 1 is not divisible by tp*pp*cp")
     assert r.returncode == 2
 
 
 def test_tracker_naming_a_missing_checkpoint(text_corpus, tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
-    r = launch(TINY_MODEL + BATCH + ["--data-path", text_corpus, "--load", str(tmp_path)])
+    r = run_ranks(1, TINY_MODEL + BATCH + ["--data-path", text_corpus, "--load", str(tmp_path)])
     assert_one_line_error(r, "iter_0000007")

@@ -12,8 +12,9 @@ flip to failures once the bug is fixed and the mark can go.
 
 Speed: the rows run the real entry point (`pretrain_gpt_dcp.py`'s `main()`, argv, exit
 code, stderr) in processes forked from one server that has already imported torch and
-megatron-core, so a row costs its own work, not 5 s of imports (2 shared cores).
-`BAD_INPUTS_FRESH=1` runs every row in a fresh `python pretrain_gpt_dcp.py` instead.
+megatron-core (tests/entry_runner.py), so a row costs its own work, not 5 s of imports
+(2 shared cores). `BAD_INPUTS_FRESH=1` runs every row in a fresh `python pretrain_gpt_dcp.py`
+instead.
 Layout rows that need several ranks set WORLD_SIZE as torchrun would (the checks run
 before any process group); one row per multi-rank path runs real torchrun ranks.
 """
@@ -24,122 +25,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import dataclasses
 from dataclasses import dataclass, field
 
-if __name__ != "__main__":
-    import pytest
+import pytest
 
-    from tests.conftest import TINY_MODEL
-    from tests.helpers import ENTRY, REPO, ForkServerClient, drop_flags, launch, read_loss_log
-    from tests.test_bad_input import assert_one_line_error
+from tests.conftest import TINY_MODEL
+from tests.entry_runner import make_runner, run_case
+from tests.helpers import ENTRY, drop_flags, kill_tree, read_loss_log, run_ranks, start_ranks
+from tests.test_bad_input import assert_one_line_error
 
-    pytestmark = pytest.mark.dist
-
-
-# ----------------------------------------------------------------------------- runner
-def _serve() -> None:
-    """Fork server: one JSON request a line on stdin -> run main() in a forked child."""
-    import runpy
-    import traceback
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, repo)
-    entry = os.path.join(repo, "pretrain_gpt_dcp.py")
-    # what every run imports anyway; nothing here installs patches or touches state
-    import torch  # noqa: F401
-    import yaml  # noqa: F401
-    from megatron.core import dist_checkpointing, parallel_state  # noqa: F401
-    from megatron.core.models.gpt import GPTModel  # noqa: F401
-    from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
-
-    import pretrain_gpt_dcp  # noqa: F401
-    from megatron.training import training, training_dcp  # noqa: F401
-
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.setsid()
-            code = 1
-            try:
-                os.environ.update(req["env"])
-                os.chdir(repo)
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(out, 1)
-                os.dup2(err, 2)
-                path = os.path.join(repo, req["entry"]) if req.get("entry") else entry
-                sys.argv = [path] + req["argv"]
-                try:
-                    runpy.run_path(path, run_name="__main__")
-                    code = 0
-                except SystemExit as e:
-                    if e.code is None:
-                        code = 0
-                    elif isinstance(e.code, int):
-                        code = e.code
-                    else:
-                        print(e.code, file=sys.stderr)
-                        code = 1
-                except BaseException:  # what the interpreter would print
-                    traceback.print_exc()
-                    code = 1
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        from tests.helpers import reap_forked
-
-        code, timed_out = reap_forked(pid, req["timeout"])
-        print(json.dumps({"code": code, "timed_out": timed_out}), flush=True)
-
-
-if __name__ != "__main__":  # the client side (the server runs this file as __main__)
-    class ForkRunner(ForkServerClient):
-        def __init__(self, workdir: str):
-            self.workdir = workdir
-            env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            super().__init__(__file__, env, "fork server")
-
-        def run(self, argv: list[str], env: dict | None = None, timeout: int = 180,
-                entry: str | None = None) -> subprocess.CompletedProcess:
-            out = os.path.join(self.workdir, f"{self.count + 1}.out")
-            err = os.path.join(self.workdir, f"{self.count + 1}.err")
-            full_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-            reply = self.request({"argv": argv, "env": full_env, "out": out, "err": err, "timeout": timeout,
-                                  "entry": entry})
-            return subprocess.CompletedProcess(argv, reply["code"], open(out).read(), open(err).read())
-
-
-class FreshRunner:
-    """Every row in its own `python pretrain_gpt_dcp.py` (BAD_INPUTS_FRESH=1)."""
-
-    def run(self, argv, env=None, timeout=180, entry=None):
-        if entry is None:
-            return launch(argv, nproc=1, env=env, timeout=timeout)
-        full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
-        return subprocess.run([sys.executable, os.path.join(REPO, entry)] + argv, cwd=REPO, env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
-
-    def close(self):
-        pass
-
-
-def run_case(runner, argv, env=None, timeout=180, entry=None):
-    try:
-        return runner.run(argv, env=env, timeout=timeout, entry=entry)
-    except subprocess.TimeoutExpired:  # FreshRunner
-        return subprocess.CompletedProcess(argv, 124, "", "")
+pytestmark = pytest.mark.dist
 
 
 # ------------------------------------------------------------------------------ table
@@ -696,159 +593,158 @@ def tree_digest(root: str) -> str:
 
 
 # ---------------------------------------------------------------------------- fixtures
-if __name__ != "__main__":
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    work = tmp_path_factory.mktemp("runs")
+    r = make_runner(str(work))
+    yield r
+    r.close()
 
-    @pytest.fixture(scope="module")
-    def runner(tmp_path_factory):
-        work = tmp_path_factory.mktemp("runs")
-        r = FreshRunner() if os.environ.get("BAD_INPUTS_FRESH") else ForkRunner(str(work))
-        yield r
-        r.close()
 
-    @pytest.fixture(scope="module")
-    def paths(text_corpus, tmp_path_factory, runner, request):
-        from dcp_ext.data.indexed import write_documents
+@pytest.fixture(scope="module")
+def paths(text_corpus, tmp_path_factory, runner, request):
+    from dcp_ext.data.indexed import write_documents
 
-        tmp = tmp_path_factory.mktemp("bad_inputs")
-        bad = tmp / "bad"
-        bad.mkdir()
-        idx, bin_ = open(text_corpus + ".idx", "rb").read(), open(text_corpus + ".bin", "rb").read()
-        (bad / "only_idx_text_document.idx").write_bytes(idx)
-        (bad / "trunc_text_document.idx").write_bytes(idx)
-        (bad / "trunc_text_document.bin").write_bytes(bin_[: len(bin_) // 2])
-        (bad / "garbled_text_document.idx").write_bytes(b"garbage!" + idx[8:])
-        (bad / "garbled_text_document.bin").write_bytes(bin_)
-        write_documents(str(bad / "empty_text_document"), [], vocab_size=256)
-        (bad / "unknown_key.yaml").write_text("num-layerz: 4\n")
-        (bad / "malformed.yaml").write_text("num-layers: [4\nhidden-size: 64\n")
-        (bad / "bad_value.yaml").write_text("hidden-size: sixty\n")
-        (bad / "list_value.yaml").write_text("num-layers: [1, 2]\n")
-        (tmp / "tracker7").mkdir()
-        (tmp / "tracker7" / "latest_checkpointed_iteration.txt").write_text("7")
-        (tmp / "garbage").mkdir()
-        (tmp / "garbage" / "latest_checkpointed_iteration.txt").write_text("latest\n")
-        (tmp / "empty_ckpt").mkdir()
-        p = {"corpus": text_corpus, "bad": str(bad), "tmp": str(tmp),
-             "static_ckpt": str(tmp / "static_ckpt"), "dcp_ckpt": str(tmp / "dcp_ckpt")}
-        # two good checkpoints (1 rank, 2 iterations) the checkpoint rows try to misuse
-        for name, base in (("static_ckpt", B_STATIC), ("dcp_ckpt", B_DCP)):
-            argv = [a.format(**p) for a in TINY_MODEL + base] + ["--train-iters", "2", "--save", p[name]]
-            r = run_case(runner, argv)
-            assert r.returncode == 0, r.stderr[-3000:]
-        p["digests"] = {name: tree_digest(p[name]) for name in ("static_ckpt", "dcp_ckpt")}
-        p["out"], p["unavailable"] = make_output_fixtures(str(tmp / "out"), p["static_ckpt"], request.addfinalizer)
-        p.update(make_validation_fixtures(str(tmp / "val"), p, runner, request.addfinalizer))
-        return p
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    bad = tmp / "bad"
+    bad.mkdir()
+    idx, bin_ = open(text_corpus + ".idx", "rb").read(), open(text_corpus + ".bin", "rb").read()
+    (bad / "only_idx_text_document.idx").write_bytes(idx)
+    (bad / "trunc_text_document.idx").write_bytes(idx)
+    (bad / "trunc_text_document.bin").write_bytes(bin_[: len(bin_) // 2])
+    (bad / "garbled_text_document.idx").write_bytes(b"garbage!" + idx[8:])
+    (bad / "garbled_text_document.bin").write_bytes(bin_)
+    write_documents(str(bad / "empty_text_document"), [], vocab_size=256)
+    (bad / "unknown_key.yaml").write_text("num-layerz: 4\n")
+    (bad / "malformed.yaml").write_text("num-layers: [4\nhidden-size: 64\n")
+    (bad / "bad_value.yaml").write_text("hidden-size: sixty\n")
+    (bad / "list_value.yaml").write_text("num-layers: [1, 2]\n")
+    (tmp / "tracker7").mkdir()
+    (tmp / "tracker7" / "latest_checkpointed_iteration.txt").write_text("7")
+    (tmp / "garbage").mkdir()
+    (tmp / "garbage" / "latest_checkpointed_iteration.txt").write_text("latest\n")
+    (tmp / "empty_ckpt").mkdir()
+    p = {"corpus": text_corpus, "bad": str(bad), "tmp": str(tmp),
+         "static_ckpt": str(tmp / "static_ckpt"), "dcp_ckpt": str(tmp / "dcp_ckpt")}
+    # two good checkpoints (1 rank, 2 iterations) the checkpoint rows try to misuse
+    for name, base in (("static_ckpt", B_STATIC), ("dcp_ckpt", B_DCP)):
+        argv = [a.format(**p) for a in TINY_MODEL + base] + ["--train-iters", "2", "--save", p[name]]
+        r = run_case(runner, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+    p["digests"] = {name: tree_digest(p[name]) for name in ("static_ckpt", "dcp_ckpt")}
+    p["out"], p["unavailable"] = make_output_fixtures(str(tmp / "out"), p["static_ckpt"], request.addfinalizer)
+    p.update(make_validation_fixtures(str(tmp / "val"), p, runner, request.addfinalizer))
+    return p
 
-    def _param(case):
-        marks = [pytest.mark.xfail(strict=True, reason=case.bug)] if case.bug else []
-        return pytest.param(case, id=case.id, marks=marks)
 
-    def test_table_has_at_least_120_distinct_rows():
-        assert len(CASES) >= 120 and len({c.id for c in CASES}) == len(CASES)
+def _param(case):
+    marks = [pytest.mark.xfail(strict=True, reason=case.bug)] if case.bug else []
+    return pytest.param(case, id=case.id, marks=marks)
 
-    @pytest.mark.parametrize("case", [_param(c) for c in CASES])
-    def test_bad_input(case, runner, paths):
-        for what, why in paths["unavailable"].items():  # {out}/ro, {out}/full where this machine cannot make them
-            if "{out}/" + what in " ".join(case.flags):
-                pytest.skip(why)
-        for what, why in paths["val_unavailable"].items():  # {val}/small*: tmpfs disks this machine cannot mount
-            if what in " ".join(case.flags):
-                pytest.skip(why)
-        env = {k: v.format(**paths) for k, v in case.env.items()}  # {busy_port}
-        case = dataclasses.replace(case, needle=case.needle.format(**paths)) if "{" in case.needle else case
-        r = run_case(runner, argv_for(case, paths), env=env, timeout=case.timeout, entry=TOOLS.get(case.tool))
+
+def test_table_has_at_least_120_distinct_rows():
+    assert len(CASES) >= 120 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_bad_input(case, runner, paths):
+    for what, why in paths["unavailable"].items():  # {out}/ro, {out}/full where this machine cannot make them
+        if "{out}/" + what in " ".join(case.flags):
+            pytest.skip(why)
+    for what, why in paths["val_unavailable"].items():  # {val}/small*: tmpfs disks this machine cannot mount
+        if what in " ".join(case.flags):
+            pytest.skip(why)
+    env = {k: v.format(**paths) for k, v in case.env.items()}  # {busy_port}
+    case = dataclasses.replace(case, needle=case.needle.format(**paths)) if "{" in case.needle else case
+    r = run_case(runner, argv_for(case, paths), env=env, timeout=case.timeout, entry=TOOLS.get(case.tool))
+    try:
+        assert r.returncode != 124, f"no exit within {case.timeout} s (hang)"
+        assert_one_line_error(r, case.needle)
+        if case.code is not None:
+            assert r.returncode == case.code, (r.returncode, r.stderr)
+    finally:  # nothing lost, whatever the error looked like
+        for name in case.keeps:
+            assert tree_digest(paths[name]) == paths["digests"][name], f"{name} changed"
+
+
+# -------------------------------------------------------------- several real ranks
+def _worker_lines(stderr: str) -> list[str]:
+    """stderr of the ranks: torchrun's own failure report (its log lines and
+    ChildFailedError traceback) starts at its first `[WE]MMDD hh:mm:ss` line."""
+    import re
+
+    lines = []
+    for line in stderr.splitlines():
+        if re.match(r"^[WEI]\d{4} \d\d:\d\d:\d\d", line):
+            break
+        if line.strip():
+            lines.append(line)
+    return lines
+
+
+def test_layout_error_on_real_ranks(paths):
+    argv = argv_for(Case("x", ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], ""), paths)
+    r = run_ranks(2, argv, timeout=180)
+    assert r.returncode != 0
+    lines = _worker_lines(r.stderr)
+    assert lines == ["error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2"], r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def killed_run(paths, tmp_path_factory):
+    """2 ranks resume the dcp checkpoint and train; rank 1 is killed (SIGKILL) mid-run."""
+    import psutil
+
+    work = tmp_path_factory.mktemp("killed")
+    log = str(work / "loss.jsonl")
+    argv = argv_for(Case("x", ["--train-iters", "100000", "--load", "{dcp_ckpt}", "--save", str(work / "save"),
+                               "--save-interval", "100000", "--loss-log", log], "", base="dcp"), paths)
+    with open(work / "out", "w") as out, open(work / "err", "w") as err:
+        proc = start_ranks(2, argv, out, err)
         try:
-            assert r.returncode != 124, f"no exit within {case.timeout} s (hang)"
-            assert_one_line_error(r, case.needle)
-            if case.code is not None:
-                assert r.returncode == case.code, (r.returncode, r.stderr)
-        finally:  # nothing lost, whatever the error looked like
-            for name in case.keeps:
-                assert tree_digest(paths[name]) == paths["digests"][name], f"{name} changed"
-
-    # -------------------------------------------------------------- several real ranks
-    def _worker_lines(stderr: str) -> list[str]:
-        """stderr of the ranks: torchrun's own failure report (its log lines and
-        ChildFailedError traceback) starts at its first `[WE]MMDD hh:mm:ss` line."""
-        import re
-
-        lines = []
-        for line in stderr.splitlines():
-            if re.match(r"^[WEI]\d{4} \d\d:\d\d:\d\d", line):
-                break
-            if line.strip():
-                lines.append(line)
-        return lines
-
-    def test_layout_error_on_real_ranks(paths):
-        argv = argv_for(Case("x", ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], ""), paths)
-        r = launch(argv, nproc=2, timeout=180)
-        assert r.returncode != 0
-        lines = _worker_lines(r.stderr)
-        assert lines == ["error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2"], r.stderr[-3000:]
-
-    @pytest.fixture(scope="module")
-    def killed_run(paths, tmp_path_factory):
-        """2 ranks resume the dcp checkpoint and train; rank 1 is killed (SIGKILL) mid-run."""
-        import psutil
-
-        work = tmp_path_factory.mktemp("killed")
-        log = str(work / "loss.jsonl")
-        argv = argv_for(Case("x", ["--train-iters", "100000", "--load", "{dcp_ckpt}", "--save", str(work / "save"),
-                                   "--save-interval", "100000", "--loss-log", log], "", base="dcp"), paths)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ENTRY] + argv
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        with open(work / "out", "w") as out, open(work / "err", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None:
+                if os.path.exists(log) and len(read_loss_log(log)) >= 2:
+                    break
+                time.sleep(0.1)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                     if ENTRY in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
+            assert len(ranks) == 1
+            ranks[0].send_signal(signal.SIGKILL)
+            killed_at = time.time()
             try:
-                deadline = time.time() + 300
-                while time.time() < deadline and proc.poll() is None:
-                    if os.path.exists(log) and len(read_loss_log(log)) >= 2:
-                        break
-                    time.sleep(0.1)
-                assert proc.poll() is None, "the run ended before it could be killed"
-                ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                         if ENTRY in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
-                assert len(ranks) == 1
-                ranks[0].send_signal(signal.SIGKILL)
-                killed_at = time.time()
-                try:
-                    code = proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    code = None
-                waited = time.time() - killed_at
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        return code, waited, open(work / "err").read(), read_loss_log(log)
-
-    def test_rank_killed_mid_run_exits_and_loses_nothing(killed_run, paths):
-        code, waited, stderr, losses = killed_run
-        assert code is not None, "the surviving rank hung after its peer died"
-        assert code != 0
-        assert losses and losses[0]["iteration"] == 3  # it did resume from the checkpoint and train
-        assert tree_digest(paths["dcp_ckpt"]) == paths["digests"]["dcp_ckpt"]
-
-    def test_rank_killed_mid_run_reports_one_line(killed_run):
-        _, _, stderr, _ = killed_run
-        lines = _worker_lines(stderr)
-        assert "Traceback" not in "\n".join(lines), "\n".join(lines)[-3000:]
-        assert len(lines) == 1 and "error:" in lines[0], lines
-
-    # ------------------------------------------------------------- and nothing lost
-    def test_checkpoints_still_resume(paths, runner, tmp_path):
-        """After every row above, both checkpoints resume (iteration 3 follows 2)."""
-        for name, base in (("static_ckpt", B_STATIC), ("dcp_ckpt", B_DCP)):
-            log = str(tmp_path / f"{name}.jsonl")
-            argv = [a.format(**paths) for a in TINY_MODEL + base] + ["--train-iters", "3", "--load", paths[name],
-                                                                    "--loss-log", log]
-            r = run_case(runner, argv)
-            assert r.returncode == 0, r.stderr[-3000:]
-            assert [x["iteration"] for x in read_loss_log(log)] == [3]
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                code = None
+            waited = time.time() - killed_at
+        finally:
+            kill_tree(proc)
+    return code, waited, open(work / "err").read(), read_loss_log(log)
 
 
-if __name__ == "__main__" and "--serve" in sys.argv:
-    _serve()
+def test_rank_killed_mid_run_exits_and_loses_nothing(killed_run, paths):
+    code, waited, stderr, losses = killed_run
+    assert code is not None, "the surviving rank hung after its peer died"
+    assert code != 0
+    assert losses and losses[0]["iteration"] == 3  # it did resume from the checkpoint and train
+    assert tree_digest(paths["dcp_ckpt"]) == paths["digests"]["dcp_ckpt"]
+
+
+def test_rank_killed_mid_run_reports_one_line(killed_run):
+    _, _, stderr, _ = killed_run
+    lines = _worker_lines(stderr)
+    assert "Traceback" not in "\n".join(lines), "\n".join(lines)[-3000:]
+    assert len(lines) == 1 and "error:" in lines[0], lines
+
+
+# ------------------------------------------------------------- and nothing lost
+def test_checkpoints_still_resume(paths, runner, tmp_path):
+    """After every row above, both checkpoints resume (iteration 3 follows 2)."""
+    for name, base in (("static_ckpt", B_STATIC), ("dcp_ckpt", B_DCP)):
+        log = str(tmp_path / f"{name}.jsonl")
+        argv = [a.format(**paths) for a in TINY_MODEL + base] + ["--train-iters", "3", "--load", paths[name],
+                                                                "--loss-log", log]
+        r = run_case(runner, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert [x["iteration"] for x in read_loss_log(log)] == [3]

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import launch, read_loss_log
+from tests.helpers import read_loss_log, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -14,7 +14,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 
 
 def run(flags, nproc, log, env=None):
-    r = launch(COMMON + flags + ["--loss-log", log], nproc=nproc, env=env)
+    r = run_ranks(nproc, COMMON + flags + ["--loss-log", log], env=env)
     return r
 
 

@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import REPO, launch, read_loss_log, spawn
+from tests.helpers import REPO, read_loss_log, run_ranks
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = pytest.mark.dist
@@ -53,8 +53,8 @@ def exported(text_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     data = ["--data-path", text_corpus, "--data-cache-path", str(root / "cache")]
     dcp = str(root / "dcp")
-    r = launch(TINY_MODEL + PAD + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--train-iters", "3",
-                                          "--save", dcp], nproc=2)
+    r = run_ranks(2, TINY_MODEL + PAD + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--train-iters", "3",
+                                                "--save", dcp])
     assert r.returncode == 0, r.stderr[-3000:]
     exports = {}
     for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
@@ -134,7 +134,7 @@ def reference(exported):
     root, data, dcp, exports = exported
     # the reference is a TP1 model: with the export's flag it pads as the checkpoint does
     flags = TINY_MODEL + exports["pp2"][3] + data + STATIC
-    return spawn(_reference, 1, flags, dcp, [e[0] for e in exports.values()])[0]
+    return run_ranks(1, fn=_reference, args=(flags, dcp, [e[0] for e in exports.values()]))[0]
 
 
 def test_export_layout_is_megatrons(exported):
@@ -164,9 +164,9 @@ def test_static_path_loads_export_with_the_same_loss(exported, reference, name, 
     out, tp, pp, vflag = exports[name]
     assert abs(reference["loaded"] - reference["init"]) > 1e-2  # the weights matter to this loss
     log = str(tmp_path / "static.jsonl")
-    r = launch(TINY_MODEL + PAD + vflag + data + STATIC +
-               ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                "--load", out, "--finetune", "--loss-log", log], nproc=tp * pp)
+    r = run_ranks(tp * pp, TINY_MODEL + PAD + vflag + data + STATIC +
+                           ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                            "--load", out, "--finetune", "--loss-log", log])
     assert r.returncode == 0, r.stderr[-3000:]
     got = read_loss_log(log)
     assert [x["iteration"] for x in got] == [1]

@@ -1,4 +1,4 @@
-"""`--dcp` added to an upstream Megatron launch line is enough (issue 13, the DCP part).
+"""`--dcp` added to an upstream Megatron launch line is enough (the DCP part).
 
 - `--mock-data` trains on both paths (megatron-core's MockGPTDataset on the static one,
   mock documents with the code length distribution's spread under --dcp) and the loss falls;
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import REPO, launch, read_loss_log, spawn
+from tests.helpers import REPO, read_loss_log, run_ranks
 
 
 # ----------------------------------------------------------------------------- mock lengths
@@ -215,7 +215,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
 
 
 def _run_equivalence(extra, decoupled=None, update_tol=2e-3):
-    (r,) = spawn(_static_vs_dcp_optimizer_worker, 1, extra, decoupled)
+    (r,) = run_ranks(1, fn=_static_vs_dcp_optimizer_worker, args=(extra, decoupled))
     for (rl, rn), (sl, sn) in zip(r["runtime"], r["static"]):
         assert rl == pytest.approx(sl, rel=1e-5), r
         # megatron-core's static norm reads ~5e-4 above the runtime's exact fp64 one (also on
@@ -254,7 +254,7 @@ def test_mock_data_trains_on_both_paths(path, tmp_path):
                                   "--tensor-model-parallel-size", "2" if path == "dcp" else "1", "--lr", "3e-3"]
     if path == "dcp":
         flags += ["--dcp"]
-    r = launch(flags, nproc=2, timeout=600)
+    r = run_ranks(2, flags, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [x["lm loss"] for x in read_loss_log(log)]
     assert len(losses) == 8
@@ -302,6 +302,6 @@ def _sgd_resume_worker(rank, world):
 
 
 def test_sgd_momentum_survives_a_checkpoint_round_trip():
-    (r,) = spawn(_sgd_resume_worker, 1)
+    (r,) = run_ranks(1, fn=_sgd_resume_worker)
     assert r["resumed"] and r["steps"] == 3
     assert r["momentum_matters"]  # without the saved momentum the step differs

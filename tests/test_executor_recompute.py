@@ -3,7 +3,7 @@ transformer layer runs its forward twice (once more in backward), with 0 once; t
 gradients are the same either way."""
 import pytest
 
-from tests.helpers import spawn
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -36,7 +36,7 @@ def _worker(rank, world):
 
 
 def test_recompute_per_micro_batch_reruns_layers_and_keeps_gradients():
-    (report,) = spawn(_worker, 1)
+    (report,) = run_ranks(1, fn=_worker)
     layers = report["layers"]
     assert report["calls"] == [2 * layers, 4 * layers]  # 2 micro-batches; recompute doubles the forwards
     assert report["grad_diff"] < 1e-6

@@ -6,14 +6,12 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import ENTRY, REPO, drop_flags, kill_tree, launch, read_loss_log
+from tests.helpers import drop_flags, kill_tree, read_loss_log, run_ranks, start_ranks
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = pytest.mark.dist
@@ -86,12 +84,12 @@ def test_save_interval_without_save_is_accepted():
 
 
 def test_ckpt_format_and_wandb_refused_by_the_real_command():
-    r = launch(TINY_MODEL + ["--mock-data", "--train-iters", "2", "--ckpt-format", "torch"])
+    r = run_ranks(1, TINY_MODEL + ["--mock-data", "--train-iters", "2", "--ckpt-format", "torch"])
     assert_one_line_error(r, "this fork writes and reads torch_dist")
     try:
         import wandb  # noqa: F401
     except ImportError:
-        r = launch(TINY_MODEL + ["--mock-data", "--train-iters", "2", "--wandb-project", "p", "--save", "/tmp/x"])
+        r = run_ranks(1, TINY_MODEL + ["--mock-data", "--train-iters", "2", "--wandb-project", "p", "--save", "/tmp/x"])
         assert_one_line_error(r, "pip install wandb")
 
 
@@ -104,14 +102,14 @@ def static_runs(text_corpus, tmp_path_factory):
     common = SAMPLE_MODEL + STATIC + data + ["--train-samples", "18", "--lr-warmup-samples", "4",
                                              "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]
     log = str(root / "main.jsonl")
-    r = launch(common + ["--loss-log", log, "--log-throughput", "--timing-log-level", "2", "--manual-gc",
-                         "--manual-gc-interval", "2", "--empty-unused-memory-level", "2", "--profile",
-                         "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
-                         "--tensorboard-dir", str(root / "tb"), "--save", str(root / "ckpt"), "--no-save-optim",
-                         "--no-save-rng"])
+    r = run_ranks(1, common + ["--loss-log", log, "--log-throughput", "--timing-log-level", "2", "--manual-gc",
+                               "--manual-gc-interval", "2", "--empty-unused-memory-level", "2", "--profile",
+                               "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
+                               "--tensorboard-dir", str(root / "tb"), "--save", str(root / "ckpt"), "--no-save-optim",
+                               "--no-save-rng"])
     assert r.returncode == 0, r.stderr[-3000:]
     wlog = str(root / "workers.jsonl")
-    w = launch(common + ["--loss-log", wlog, "--num-workers", "2"])
+    w = run_ranks(1, common + ["--loss-log", wlog, "--num-workers", "2"])
     assert w.returncode == 0, w.stderr[-3000:]
     return root, data, r, read_loss_log(log), read_loss_log(wlog), w
 
@@ -158,14 +156,14 @@ def test_no_save_optim_checkpoint(static_runs, tmp_path):
     assert not any(k.startswith("optimizer") for k in keys) and not any("rng" in k for k in keys)
     assert any(k.startswith("decoder.") for k in keys)
     base = SAMPLE_MODEL + STATIC + data + ["--train-samples", "24", "--load", str(root / "ckpt")]
-    r = launch(base)
+    r = run_ranks(1, base)
     assert_one_line_error(r, "resume with --no-load-optim --no-load-rng")
     # --use-checkpoint-args: the model shape comes from the checkpoint (no model flags given)
     shape = ["--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
              "--seq-length", "--max-position-embeddings", "--position-embedding-type", "--normalization"]
     bare = [f for f in drop_flags(base, *shape) if f not in ("--swiglu", "--disable-bias-linear")]
     log = str(tmp_path / "resumed.jsonl")
-    r = launch(bare + ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng", "--loss-log", log])
+    r = run_ranks(1, bare + ["--use-checkpoint-args", "--no-load-optim", "--no-load-rng", "--loss-log", log])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["iteration"] for x in read_loss_log(log)] == [5, 6]
     assert "loaded checkpoint" in r.stdout
@@ -176,9 +174,9 @@ def test_no_save_optim_checkpoint(static_runs, tmp_path):
 def test_exit_duration_stops_and_saves(text_corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     log = str(tmp_path / "loss.jsonl")
-    r = launch(TINY_MODEL + STATIC + ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
-                                      "--train-iters", "100000", "--exit-duration-in-mins", "0.05", "--save", save,
-                                      "--loss-log", log])
+    r = run_ranks(1, TINY_MODEL + STATIC + ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
+                                            "--train-iters", "100000", "--exit-duration-in-mins", "0.05",
+                                            "--save", save, "--loss-log", log])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exiting program after" in r.stdout
     last = read_loss_log(log)[-1]["iteration"]
@@ -188,10 +186,8 @@ def test_exit_duration_stops_and_saves(text_corpus, tmp_path):
 
 
 def _start(flags, nproc, out_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", ENTRY] + flags
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = open(out_path, "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), out
+    return start_ranks(nproc, flags, out), out
 
 
 def _wait_for_lines(path, n, proc, timeout=240):
@@ -236,9 +232,9 @@ def test_sigterm_to_the_ranks_saves_and_resumes_exactly(text_corpus, tmp_path):
     # the checkpoint is complete: it resumes, and the resumed losses are an unbroken run's
     resumed, full = str(tmp_path / "resumed.jsonl"), str(tmp_path / "full.jsonl")
     stop = ["--exit-interval", str(stopped + 2)]
-    r = launch(flags + stop + ["--load", save, "--loss-log", resumed], nproc=2)
+    r = run_ranks(2, flags + stop + ["--load", save, "--loss-log", resumed])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(flags + stop + ["--loss-log", full], nproc=2)
+    r = run_ranks(2, flags + stop + ["--loss-log", full])
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = read_loss_log(resumed), read_loss_log(full)[stopped:]
     assert [x["iteration"] for x in got] == [stopped + 1, stopped + 2]
@@ -267,7 +263,7 @@ def test_sigterm_to_torchrun_under_dcp_saves_a_complete_checkpoint(text_corpus, 
     first = read_loss_log(log)
     assert first[1]["lr"] == pytest.approx(expected_lr(8, lr=1e-3, min_lr=1e-4, warmup=0, decay=400000), rel=1e-9)
     resumed = str(tmp_path / "resumed.jsonl")
-    r = launch(flags + ["--train-samples", "400000", "--exit-interval", str(stopped + 1), "--load", save,
-                        "--loss-log", resumed], nproc=2)
+    r = run_ranks(2, flags + ["--train-samples", "400000", "--exit-interval", str(stopped + 1), "--load", save,
+                              "--loss-log", resumed])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["iteration"] for x in read_loss_log(resumed)] == [stopped + 1]

@@ -20,7 +20,7 @@ import re
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import launch, read_loss_log, spawn
+from tests.helpers import read_loss_log, run_ranks
 
 BF16_U = 2.0 ** -8
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3"]
@@ -33,8 +33,8 @@ def root(text_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("mixed")
     data = ["--data-path", text_corpus, "--data-cache-path", str(root / "cache")]
     init = str(root / "init")
-    r = launch(TINY_MODEL + data + BATCH + ["--train-iters", "0", "--seed", "7", "--init-method-std", "0.05",
-                                            "--save", init])
+    r = run_ranks(1, TINY_MODEL + data + BATCH + ["--train-iters", "0", "--seed", "7", "--init-method-std", "0.05",
+                                                  "--save", init])
     assert r.returncode == 0, r.stderr[-3000:]
     return root, data + ["--load", init, "--no-load-optim", "--no-load-rng"]
 
@@ -42,7 +42,7 @@ def root(text_corpus, tmp_path_factory):
 def run(root, name, nproc, extra, batch=BATCH):
     path, flags = root
     log = str(path / f"{name}.jsonl")
-    r = launch(TINY_MODEL + flags + batch + extra + ["--loss-log", log], nproc=nproc)
+    r = run_ranks(nproc, TINY_MODEL + flags + batch + extra + ["--loss-log", log])
     assert r.returncode == 0, r.stderr[-4000:]
     return read_loss_log(log), r.stdout
 
@@ -219,7 +219,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def built():
-    return spawn(_build_and_step, 2, CONFIGS)
+    return run_ranks(2, fn=_build_and_step, args=(CONFIGS,))
 
 
 @pytest.mark.dist

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import launch, read_loss_log, spawn
+from tests.helpers import read_loss_log, run_ranks
 from tests.test_bad_input import assert_one_line_error
 
 # the llama line's model flags (examples/llama/train_llama3_8b_h100_fp8.sh), at tiny sizes;
@@ -151,8 +151,9 @@ def _model_worker(rank, world, extra):
 @pytest.mark.dist
 def test_model_shape_flags():
     base = ["--kv-channels", "32"]
-    plain = spawn(_model_worker, 1, base)[0]
-    shaped = spawn(_model_worker, 1, base + ["--rotary-percent", "0.5", "--qk-layernorm", "--apply-layernorm-1p"])[0]
+    plain = run_ranks(1, fn=_model_worker, args=(base,))[0]
+    shaped_flags = base + ["--rotary-percent", "0.5", "--qk-layernorm", "--apply-layernorm-1p"]
+    shaped = run_ranks(1, fn=_model_worker, args=(shaped_flags,))[0]
     # GQA with a head dim of 32 (not 64/4): 4 query heads + 2 x 2 key/value groups
     assert plain["qkv"] == shaped["qkv"] == [(4 + 2 * 2) * 32, 64]
     assert plain["proj"] == [64, 4 * 32]
@@ -226,7 +227,7 @@ def _llama_step_worker(rank, world):
 
 @pytest.mark.dist
 def test_llama_model_runtime_step_matches_single_process():
-    for r in spawn(_llama_step_worker, 2):
+    for r in run_ranks(2, fn=_llama_step_worker):
         assert r["norms_zero"] == 0.0, "zero-centred norms must start at 0 in the runtime's initial model"
         assert r["qnorm_grad"] > 0  # the q norm is in the graph
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), r
@@ -243,9 +244,10 @@ def _iteration_losses(stdout):
 def test_llama_line_trains_on_two_ranks(path, text_corpus, tmp_path):
     extra = ["--dcp", "--dcp-global-batch-tokens", "1024"] if path == "dcp" else []
     log = str(tmp_path / "loss.jsonl")
-    r = launch(TINY_MODEL + LLAMA + ["--bf16", "--data-path", text_corpus, "--data-cache-path", str(tmp_path / "c"),
-                                     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
-                                     "--lr", "3e-3", "--loss-log", log] + extra, nproc=2)
+    r = run_ranks(2, TINY_MODEL + LLAMA + ["--bf16", "--data-path", text_corpus,
+                                           "--data-cache-path", str(tmp_path / "c"),
+                                           "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
+                                           "--lr", "3e-3", "--loss-log", log] + extra)
     assert r.returncode == 0, r.stderr[-3000:]
     # upstream's rule: --sequence-parallel at TP1 is turned off with one warning (rank 0 only)
     assert r.stdout.count(SP_WARNING) == 1, r.stdout[-3000:]
@@ -259,10 +261,10 @@ def test_llama_line_trains_on_two_ranks(path, text_corpus, tmp_path):
 def test_bf16_layernorm_tp2_with_zero_centred_and_qk_norms(text_corpus, tmp_path):
     """The mixed-dtype LayerNorm traceback of the issue: --bf16, LayerNorm with biases, TP2 + SP."""
     model = [f for f in TINY_MODEL if f not in ("RMSNorm", "--normalization", "--disable-bias-linear")]
-    r = launch(model + ["--normalization", "LayerNorm", "--bf16", "--apply-layernorm-1p", "--qk-layernorm",
-                        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-path", text_corpus,
-                        "--data-cache-path", str(tmp_path / "c")] + ["--micro-batch-size", "2",
-                        "--global-batch-size", "4", "--train-iters", "2"], nproc=2)
+    r = run_ranks(2, model + ["--normalization", "LayerNorm", "--bf16", "--apply-layernorm-1p", "--qk-layernorm",
+                              "--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-path", text_corpus,
+                              "--data-cache-path", str(tmp_path / "c")] + ["--micro-batch-size", "2",
+                              "--global-batch-size", "4", "--train-iters", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     losses = _iteration_losses(r.stdout)
@@ -279,6 +281,6 @@ def test_bf16_layernorm_tp2_with_zero_centred_and_qk_norms(text_corpus, tmp_path
     (["--rotary-percent", "0"], "--rotary-percent 0 must be in (0, 1]"),
 ])
 def test_requests_this_machine_cannot_meet_are_one_line(flags, needle, text_corpus):
-    r = launch(TINY_MODEL + BATCH + ["--data-path", text_corpus] + flags)
+    r = run_ranks(1, TINY_MODEL + BATCH + ["--data-path", text_corpus] + flags)
     assert_one_line_error(r, needle)
     assert r.returncode == 2

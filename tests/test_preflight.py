@@ -63,7 +63,7 @@ def _two_ranks(rank, world_size, root):
 
 def test_all_ranks_stop_with_the_same_line(tmp_path):
     """Only the last rank writes --loss-log; rank 0 stops too, with its line, not at a later collective."""
-    from tests.helpers import spawn
+    from tests.helpers import run_ranks
 
-    lines = spawn(_two_ranks, 2, str(tmp_path))
+    lines = run_ranks(2, fn=_two_ranks, args=(str(tmp_path),))
     assert lines[0] == lines[1] and "--loss-log" in lines[0] and "does not exist" in lines[0]

@@ -1,4 +1,4 @@
-"""Exactly once (issue 5, acceptance 2): over 50 iterations of the adaptive planner on a real
+"""Exactly once: over 50 iterations of the adaptive planner on a real
 length distribution, every sample's tokens enter the loss exactly once.
 
 Each document's loss mask is weighted by its own value w_i = 1 + i/997, so the
@@ -8,7 +8,7 @@ the global batch was trained once: a dropped or doubled document changes the sum
 import pytest
 
 from dcp_ext.data.lengths import read_lengths
-from tests.helpers import spawn
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +55,7 @@ def _worker(rank, world, lengths):
 def test_every_sample_enters_the_loss_exactly_once():
     # the real code-file distribution, scaled 1/32 to fit CPU runs (shape kept)
     lengths = [max(2, n // 32) for n in read_lengths("code_python_cl100k.txt", limit=3000)]
-    reports = spawn(_worker, 4, lengths)
+    reports = run_ranks(4, fn=_worker, args=(lengths,))
     for report in reports:
         assert report["iterations"] == 50
         assert report["mismatches"] == [], report["mismatches"][:3]

@@ -8,7 +8,7 @@ of the rank's two shared buffers; and the cost model's `state_bytes` for the poo
 """
 import pytest
 
-from tests.helpers import spawn
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -47,8 +47,8 @@ def _cost_model_bytes(pool):
 
 
 def test_pool_of_seven_types_per_rank_holds_what_a_pool_of_one_holds():
-    one = spawn(_worker, 4, "one")
-    many = spawn(_worker, 4, "many")
+    one = run_ranks(4, fn=_worker, args=("one",))
+    many = run_ranks(4, fn=_worker, args=("many",))
     for rank in range(4):
         assert one[rank]["types_here"] == 1 and many[rank]["types_here"] == 7
         assert many[rank]["foreign_storages"] == 0, "a stage owns parameter or gradient storage of its own"

@@ -10,7 +10,7 @@ step that fits updates like the fp32 reference (within fp16 rounding).
 """
 import pytest
 
-from tests.helpers import spawn
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +70,7 @@ def _bf16_worker(rank, world):
 
 
 def test_bf16_runtime_accumulates_fp32_main_grads_and_tracks_fp32():
-    for rank, r in enumerate(spawn(_bf16_worker, 4)):
+    for rank, r in enumerate(run_ranks(4, fn=_bf16_worker)):
         assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"], r
         assert r["views"], "a stage parameter is not bf16 or its main grad is not an fp32 view of the buffer"
         # bf16 keeps 8 bits of mantissa: 2^-8 = 0.4% per rounding
@@ -111,7 +111,7 @@ def _fp16_worker(rank, world):
 
 
 def test_fp16_runtime_skips_overflow_steps_and_backs_off_the_loss_scale():
-    for rank, r in enumerate(spawn(_fp16_worker, 4)):
+    for rank, r in enumerate(run_ranks(4, fn=_fp16_worker)):
         steps = r["steps"]
         assert r["dtype"] == "torch.float16"
         assert steps[-1]["ok"], f"no step fitted fp16 within 40 halvings: {steps[-1]}"
@@ -187,7 +187,7 @@ def _static_vs_runtime_worker(rank, world):
 
 
 def test_bf16_runtime_step_matches_the_bf16_static_path():
-    (r,) = spawn(_static_vs_runtime_worker, 1)
+    (r,) = run_ranks(1, fn=_static_vs_runtime_worker)
     assert r["ok"]
     assert r["loss"] < 4e-3, r  # the same bf16 forward, one rounding apart
     assert r["norm"] < 2e-2, r

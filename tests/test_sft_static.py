@@ -1,4 +1,4 @@
-"""SFT without --dcp: the static (upstream Megatron) path trains on the responses only (issue 12, defect 3).
+"""SFT without --dcp: the static (upstream Megatron) path trains on the responses only.
 
 megatron.core's GPTDataset concatenates documents into --seq-length windows and knows no
 loss mask; `CheckedSamples` cuts the stored mask into the very same windows. The corpus here
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import launch, read_loss_log
+from tests.helpers import read_loss_log, run_ranks
 
 SEQ = 64
 EOD = 255
@@ -90,11 +90,11 @@ def test_static_sft_prompt_change_leaves_training_unchanged(tmp_path):
         prefix = str(tmp_path / f"{variant}_text_document")
         sft_corpus(prefix, 12 * SEQ + 1, variant=variant)
         log = str(tmp_path / f"{variant}.jsonl")
-        r = launch(TINY_MODEL + ["--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-                                 "--reset-attention-mask", "--micro-batch-size", "2", "--global-batch-size", "4",
-                                 "--train-iters", "2", "--data-path", prefix,
-                                 "--data-cache-path", str(tmp_path / f"cache_{variant}"), "--loss-log", log],
-                   timeout=300)
+        r = run_ranks(1, TINY_MODEL + ["--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+                                       "--reset-attention-mask", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                       "--train-iters", "2", "--data-path", prefix,
+                                       "--data-cache-path", str(tmp_path / f"cache_{variant}"), "--loss-log", log],
+                      timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[variant] = [(x["lm loss"], x["grad norm"]) for x in read_loss_log(log)]
         train, _, _ = build_fixed_length_datasets([prefix], "100,0,0", SEQ, 1234, tok, (8, 0, 0),

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.helpers import launch, read_loss_log
+from tests.helpers import read_loss_log, run_ranks
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -30,7 +30,7 @@ def test_dcp_run_writes_megatron_tags_matching_its_loss_log(tmp_path):
              "--log-interval", "3", "--eval-interval", "3", "--eval-iters", "1", "--loss-log", log,
              "--tensorboard-dir", tb, "--tensorboard-log-interval", "2", "--log-timers-to-tensorboard",
              "--log-validation-ppl-to-tensorboard"]
-    r = launch(flags, nproc=2)
+    r = run_ranks(2, flags)
     assert r.returncode == 0, r.stderr[-3000:]
     records = {x["iteration"]: x for x in read_loss_log(log)}
     got = scalars(tb)

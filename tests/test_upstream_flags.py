@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from helpers import REPO, launch
+from helpers import REPO, run_ranks
 from megatron.training import upstream_flags as uf
 from megatron.training.arguments import ArgumentError, build_parser, parse_args, parse_flags
 from megatron.training.upstream_flag_table import FAMILIES, HARMLESS_VALUES, ROWS
@@ -246,7 +246,7 @@ def test_fsdp_launch_line_ends_in_one_line_through_the_entry_point():
     argv = launch_line("llama3_8b_fsdp_h100_fp8.args")
     i = argv.index("--ckpt-format")  # fsdp_dtensor is the checkpoint part's choice to judge, not this table's
     argv = argv[:i] + argv[i + 2:]
-    r = launch(argv, timeout=300)
+    r = run_ranks(1, argv, timeout=300)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: --use-megatron-fsdp: Megatron FSDP is not wired"), lines

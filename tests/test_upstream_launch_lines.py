@@ -1,12 +1,12 @@
-"""Upstream's own launch lines run here unchanged but for sizes and paths (issue 13).
+"""Upstream's own launch lines run here unchanged but for sizes and paths.
 
 `tests/data/upstream/*.args` are the argument lists two of upstream Megatron-LM's Llama-3 8B
 example scripts pass to `pretrain_gpt.py`. A user swaps in `pretrain_gpt_dcp.py`; only what
 the machine forces may change: model and batch sizes, sample counts, and paths. The fp8 flags
 need transformer-engine on an FP8 GPU and Megatron FSDP is not wired in: on this CPU each is
-refused in one line naming it (checked here: drop the flag named, launch again), and the
-line without them trains, on 4 CPU
-ranks, as it is and with `--dcp` added; the loss falls.
+refused in one line naming it (checked here: drop the flag named, launch again, one
+iteration on one process, forked from tests/entry_runner.py's server), and the line without
+them trains, on 4 CPU ranks, as it is and with `--dcp` added; the loss falls.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import os
 
 import pytest
 
-from tests.helpers import REPO, drop_flags, launch, read_loss_log
+from tests.entry_runner import make_runner
+from tests.helpers import REPO, drop_flags, read_loss_log, run_ranks
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -56,12 +57,12 @@ def shrink(argv: list[str], tmp: str) -> list[str]:
     return out
 
 
-def runnable_here(argv: list[str]) -> tuple[list[str], list[str]]:
+def runnable_here(runner, argv: list[str]) -> tuple[list[str], list[str]]:
     """Launch the line; while it is refused, the refusal must be one line naming a flag it holds:
     drop that flag and go on. Returns the runnable line and the flags refused, in order."""
     refused = []
     for _ in range(len(MAY_REFUSE) + 1):
-        proc = launch(drop_flags(argv, "--train-samples") + ["--train-samples", "8"], nproc=1, timeout=300)  # 1 iteration
+        proc = runner.run(drop_flags(argv, "--train-samples") + ["--train-samples", "8"], timeout=300)  # 1 iteration
         if proc.returncode == 0:
             return argv, refused
         assert_one_line_error(proc, "error: --")
@@ -75,9 +76,13 @@ def runnable_here(argv: list[str]) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module")
 def runnable(tmp_path_factory):
     out = {}
-    for name in LINES:
-        tmp = str(tmp_path_factory.mktemp(name.split(".")[0]))
-        out[name] = runnable_here(shrink(read_line(name), tmp))[1]
+    runner = make_runner(str(tmp_path_factory.mktemp("runs")))
+    try:
+        for name in LINES:
+            tmp = str(tmp_path_factory.mktemp(name.split(".")[0]))
+            out[name] = runnable_here(runner, shrink(read_line(name), tmp))[1]
+    finally:
+        runner.close()
     return out
 
 
@@ -98,7 +103,7 @@ def test_upstream_line_trains_on_four_cpu_ranks(runnable, name, dcp, tmp_path):
         argv = drop_flags(argv, flag)
     log = str(tmp_path / "loss.jsonl")
     argv += ["--loss-log", log] + (["--dcp"] if dcp else [])
-    proc = launch(argv, nproc=4, timeout=900)
+    proc = run_ranks(4, argv, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["lm loss"] for r in read_loss_log(log)]
     assert len(losses) == 96 // 8, losses

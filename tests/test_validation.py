@@ -86,13 +86,13 @@ def _build_on_rank(rank, world, prefixes):
 @pytest.mark.dist
 def test_ranks_reading_different_versions_of_the_data_stop(tmp_path):
     from dcp_ext.data.indexed import write_documents
-    from tests.helpers import spawn
+    from tests.helpers import run_ranks
 
     a = write_documents(str(tmp_path / "a" / "c_text_document"), _docs(seed=1), 256)
     b = write_documents(str(tmp_path / "b" / "c_text_document"), _docs(seed=1) + _docs(3, seed=2), 256)
     c = write_documents(str(tmp_path / "c" / "c_text_document"), _docs(seed=1), 256)
-    assert spawn(_build_on_rank, 2, [a, c]) == ["ok", "ok"]  # two copies of the same data
-    for line in spawn(_build_on_rank, 2, [a, b]):  # a stale copy on one node: every rank stops
+    assert run_ranks(2, fn=_build_on_rank, args=([a, c],)) == ["ok", "ok"]  # two copies of the same data
+    for line in run_ranks(2, fn=_build_on_rank, args=([a, b],)):  # a stale copy on one node: every rank stops
         assert "rank 1 reads another version of" in line and "every node must see the same data files" in line
 
 

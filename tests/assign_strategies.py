@@ -1,4 +1,5 @@
-"""Shared pieces of the dcp_ext.assign tests: implementations to run, hypothesis strategies."""
+"""Shared pieces of the dcp_ext.assign tests (imported by test_assign*.py; holds no test itself):
+implementations to run, hypothesis strategies."""
 from __future__ import annotations
 
 import pytest
