@@ -17,7 +17,7 @@ OK when engine bytes + peak activations fit the capacity, OVER otherwise.
 - data: global batches by DESIGN.md's rule from the shipped length file (default
   data/lengths/code_python_cl100k.txt, the same file as /work/shared/data/lengths/);
 - capacity: `CostModel.capacity_bytes` (device memory less --dcp-memory-margin and the GPU
-  kind's reserved bytes): the budget the planner packs to and `training_dcp.check_memory`
+  kind's reserved bytes): the budget the planner packs to and the planner's post-condition (`PlannerBase.plan`)
   enforces; the device's own memory is printed beside it;
 - vocabulary: a Llama-2 tokenizer's 32000 ids; the planner's ModelSpec sees them padded as
   pretrain() pads them (x --tensor-model-parallel-size), the engine as train_adaptive pads
