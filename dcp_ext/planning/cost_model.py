@@ -27,23 +27,20 @@ Everything except cp_excess is additive over documents, so a document's cost wit
 micro-batch constant and without cp_excess is a true lower bound of what it adds to any
 micro-batch: the simulator's lower bound relies on exactly that.
 
-Memory (bytes per device): parameter and gradient shards of the layout, the optimizer's
-fixed shard over all ranks, activations per token per layer with and without recompute,
-the micro-batches 1F1B keeps in flight (stage 0 holds a window of pp), and the transient
-output-layer logits. Recompute is counted in layers per stage (`rs`); the plan's
-`recompute_layers` is the model-wide count, rs * pp.
+Memory (bytes per device) is the other half of the price list: `dcp_ext.planning.cost_memory`,
+whose methods CostModel inherits.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Iterable, NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from dcp_ext.planning.cost_memory import MemoryAccounting
 from dcp_ext.planning.layout import Layout
-from dcp_ext.planning.specs import ClusterSpec, ModelSpec, bucket_numel_for
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 ATTN_BWD_FACTOR = 2.5  # flash-attention backward / forward FLOPs
 MATMUL_BWD_FACTOR = 2.0
@@ -123,7 +120,7 @@ class StageCoeffs:
         return f, b
 
 
-class CostModel:
+class CostModel(MemoryAccounting):
     """The price list for (model, cluster); optionally calibrated by a `Profile`."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, profile=None, memory_margin: float = 0.1):
@@ -280,230 +277,6 @@ class CostModel:
         if self.profile is not None:
             t = self.profile.calibrate_sync(self, layout, t)
         return t
-
-    # ------------------------------------------------------------------ memory
-    @property
-    def capacity_bytes(self) -> float:
-        g = self.cluster.gpu
-        return g.memory_bytes * (1.0 - self.memory_margin) - g.reserved_bytes
-
-    def state_bytes(self, layout: Layout) -> float:
-        """Persistent bytes on one device, as the runtime allocates them: the rank's shared
-        parameter and fp32 main-grad buffers (sized to the largest stage it can play: this
-        layout's, or the pool's when `charge_shared_buffers` was called), its shard of the
-        optimizer state (fp32 master, fp32 gradient, Adam moments) and the exchange buffers."""
-        m = self.model
-        buffer = self.buffer_params_for(layout)
-        opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
-        return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes
-
-    def buffer_params_for(self, layout: Layout) -> float:
-        """Parameters in the shared buffers of a device that runs `layout`."""
-        shared = self.buffer_by_layout.get(Layout(*layout), self.buffer_params)
-        return max(self.model.local_stage_params(layout.tp, layout.pp), shared)
-
-    @property
-    def exchange_bytes(self) -> float:
-        """Send and receive buffers of one bucket (two of each when pull/push overlap)."""
-        m, n = self.model, self.cluster.num_gpus
-        per = n * math.ceil(bucket_numel_for(m.num_params, m.bucket_numel) / n)
-        return 2 * m.exchange_slots * per * max(m.param_bytes, m.grad_reduce_bytes)
-
-    def charge_shared_buffers(self, layouts: Iterable[Layout], placements=None) -> None:
-        """The layouts of a pool share each rank's buffers. Without `placements`, charge every
-        layout the pool's largest stage; with them ((layout, ranks) of every replica the pool
-        can run), charge each layout the largest stage any of its ranks plays."""
-        stage = lambda l: self.model.local_stage_params(l.tp, l.pp)  # noqa: E731
-        layouts = list(layouts)
-        self.buffer_params = max((stage(l) for l in layouts), default=0.0)
-        self.buffer_by_layout = {}
-        if placements is not None:
-            per_rank: dict[int, float] = {}
-            for lay, ranks in placements:
-                for r in ranks:
-                    per_rank[r] = max(per_rank.get(r, 0.0), stage(lay))
-            for lay, ranks in placements:
-                worst = max(per_rank[r] for r in ranks)
-                self.buffer_by_layout[Layout(*lay)] = max(self.buffer_by_layout.get(Layout(*lay), 0.0), worst)
-
-    @lru_cache(maxsize=None)
-    def _act_terms(self, layout: Layout) -> dict:
-        """Activation bytes per row of a micro-batch on one device (rows = T/cp tokens), from
-        what autograd saves in megatron-core's layers (see the comment on each term).
-
-        Measured exactly on the CPU by `benchmarks/bench_activation_memory.py` (TP1, TP2 with
-        sequence parallel, CP2, PP2; with and without full recompute; packed and single
-        documents): within a few percent. The GPU terms that differ (TE attention, TE norms,
-        fused SwiGLU and RoPE) follow TE's and megatron-core's code, not a measurement.
-
-        Notation: e activation bytes, h hidden, f ffn, kv key/value width, d head dim,
-        t = tp, sp = t when the sequence is split over TP (sequence parallel), else 1."""
-        m = self.model
-        t, cp = layout.tp, layout.cp
-        e = m.activation_bytes
-        h, f, kv, d, heads = m.hidden_size, m.ffn_hidden_size, m.kv_size, m.head_dim, m.num_attention_heads
-        sp = t if (t == 1 or m.sequence_parallel) else 1
-        # The CPU backend (no transformer-engine): dcp_ext.runtime.model.layer_spec puts megatron-core's
-        # local spec together with dcp_ext.runtime.attention's core attention and torch norms, and runs
-        # what transformer_config_from_args configures: no bias-activation fusion, no RoPE
-        # fusion. The GPU terms assume upstream Megatron's GPU settings instead: TE layers,
-        # fused bias-SwiGLU (--bias-swiglu-fusion) and fused RoPE.
-        # transformer_config_from_args (megatron/training/model_flags.py) turns the fusions on
-        # on CUDA as upstream does; a GPU run with --no-bias-swiglu-fusion / --no-rope-fusion
-        # keeps the CPU's unfused `mlp` (+2f/t) and `rope` (+4d) terms below as well.
-        cpu = self.cluster.gpu.name.startswith("cpu")
-        unfused = cpu
-
-        # ---- every layer, both backends
-        # the layer input and the mid-layer residual (outputs of the residual adds): saved as
-        # the inputs of the two norms (TE: of the two LayerNormLinear GEMMs)
-        resid = 2.0 * h * e / sp
-        # the two norm outputs, saved by linear_qkv and linear_fc1 as their inputs (with
-        # sequence parallel the local shard: the all-gather is redone in the backward)
-        norm_out = 2.0 * h * e / sp
-        # RoPE, unfused (megatron-core's _apply_rotary_pos_emb_bshd): cos and sin [rows, 1, 1,
-        # d] saved by the two products, once for q and once for k; every row of the (gathered)
-        # sequence, shared by the heads, so not divided by tp. Fused RoPE keeps none per row.
-        rope = 4.0 * d * e if unfused else 0.0
-        # MLP. Unfused gated unit (megatron-core's MLP.glu): fc1's output (2f, saved through
-        # the x_glu view by silu), silu(x_glu) and x_linear + glu_linear_offset (a copy; both
-        # saved by their product), the product (fc2's input): 5f. Fused bias-SwiGLU keeps
-        # fc1's output and the product: 3f. GELU: fc1's output and gelu's: 2f.
-        if m.swiglu:
-            mlp = (5.0 if unfused else 3.0) * f * e / t
-        else:
-            mlp = 2.0 * f * e / t
-        # dropout masks (1 byte) after attention and after the MLP
-        drop = 2.0 * h / sp if m.hidden_dropout else 0.0
-        if cpu:
-            # dcp_ext.runtime.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
-            # the CPU flash kernel). It keeps q*scale (h/t), the GQA-expanded k*scale and v of
-            # the whole document (h/t each per key row: a CP rank all-gathers keys and values,
-            # so cp key rows per local query row) and the concatenated output (linear_proj's
-            # input, h/t); plus the softmax probabilities, heads/t values per (query, key) pair
-            # of a document: quadratic in the document lengths (`pair`, act_bytes_per_token).
-            # Without GQA and CP, v is never copied: its view keeps linear_qkv's whole output
-            # (h + 2kv) instead. Nothing else of q, k, v survives the forward.
-            v = (h + 2.0 * kv) if (kv == h and cp == 1) else h * cp
-            attn = (h + h * cp + v + h) * e / t
-            # torch.nn.RMSNorm decomposes into aten ops that also keep the normalized input
-            # (before the weight product) and rsqrt, per norm (LayerNorm's single aten op keeps
-            # mean/rstd only: this over-counts h/sp per norm for it)
-            norm_extra = 2.0 * (h + 1.0) * e / sp
-        else:
-            # TE attention (flash / cuDNN, THD): q, k, v, the output (also linear_proj's
-            # input) and fp32 softmax statistics, linear in the length; TE fuses the norms into
-            # the GEMMs (input and normalized output kept, counted above)
-            attn = ((h + 2 * kv) + h) * e / t + heads / t * 4.0
-            norm_extra = 0.0
-        full = resid + norm_out + rope + mlp + attn + norm_extra + drop
-        # full recompute ("block", one checkpoint per layer): the layer input only
-        ckpt = h * e / sp
-        # the stage's last output: the final norm's input on the last stage, the tensor sent to
-        # the next stage (held for its backward) on the others
-        emb = h * e / sp
-        # with sequence parallel the all-gathered linear input [rows, h] (every TP rank holds
-        # the whole sequence): megatron-core's global memory buffer, alive from the first
-        # linear on (TE gathers into buffers of its own, of the same size)
-        ws = h * e if (t > 1 and sp > 1) else 0.0
-        # a layer's backward on top of what it keeps peaks in its MLP: the incoming gradient
-        # (h/sp) and the two gradients of the gated product (f each; fc2's saved input is freed
-        # by then), or gelu's input gradient and fc1's output gradient. (On the CPU, long
-        # documents move the peak into the attention: see act_bytes_per_token.)
-        work = 2.0 * f * e / t + h * e / sp
-        # last stage: the final norm's output (the output layer's input) and, on the CPU, the
-        # norm's normalized copy and rsqrt; the fused native cross entropy converts the logits
-        # to fp32 and keeps exp/softmax in that buffer (4 bytes per vocabulary entry); its
-        # int64/bool target masks (9 bytes per row) are left out
-        last_keep = h * e / sp + ((h + 1.0) * e / sp if cpu else 0.0) + m.vocab_size / t * 4.0
-        # its backward: the logits gradient rounded to bf16 (megatron-core 0.16 does so in any
-        # dtype), then autograd's cast back to the logits' dtype when that is not bf16
-        logits_trans = m.vocab_size / t * (2.0 + (e if e != 2 else 0.0))
-        # CPU math-path attention: bytes per (query, key) pair of a document and layer
-        pair = heads / t * e if cpu else 0.0
-        return dict(full=full, ckpt=ckpt, emb=emb, work=work, ws=ws, mlp=mlp, last_keep=last_keep,
-                    logits_trans=logits_trans, pair=pair)
-
-    def act_bytes_per_token(self, layout: Layout, rs: int, lengths: Sequence[int] | None = None
-                            ) -> tuple[float, float, float]:
-        """(kept while in flight, transient on a middle stage, transient extra on the last
-        stage) bytes per token of the micro-batch (already divided by cp), so that a stage's
-        peak is tokens * (kept + transient) and the last stage's tokens * (kept + transient +
-        extra).
-
-        The backward of the last stage peaks either at the loss's backward (final norm and
-        softmax still kept, logits gradients, the SP buffer) or inside a layer's backward (the
-        recomputed layer, the layer workspace): the extra is what the former adds beyond the
-        latter. `lengths`: the micro-batch's (padded) document lengths, for the terms that are
-        quadratic in them (CPU attention's probabilities; none on GPUs); without them those
-        terms are left out."""
-        a = self._act_terms(Layout(*layout))
-        Ls = self.layers_per_stage(layout)
-        rs = min(rs, Ls)
-        cp = layout.cp
-        keep = ((Ls - rs) * a["full"] + rs * a["ckpt"] + a["emb"]) / cp
-        # the recomputed layer (one at a time, re-materialized in the backward) and the SP buffer
-        trans = ((a["full"] if rs > 0 else 0.0) + a["ws"]) / cp
-        layer_bwd = a["work"] / cp
-        if lengths is not None and a["pair"] > 0 and len(lengths) > 0:
-            s = np.asarray(lengths, dtype=float)
-            tokens = float(s.sum())
-            probs = a["pair"] * float(s @ s) / cp / tokens  # per token, one layer
-            keep += (Ls - rs) * probs
-            trans += probs if rs > 0 else 0.0
-            # the attention's backward, one document at a time: the probabilities' gradient
-            # and softmax-backward's output of the longest document, by when the layer's MLP
-            # tensors are freed
-            attn_bwd = 2.0 * a["pair"] * float(s.max()) ** 2 / cp / tokens - a["mlp"] / cp
-            layer_bwd = max(layer_bwd, attn_bwd)
-        trans += layer_bwd
-        # (the last stage frees the final norm's input, `emb`, before its layers' backward:
-        # over-counted there, ~2% with full recompute)
-        extra = max(0.0, (a["last_keep"] + a["logits_trans"] + a["ws"]) / cp - trans)
-        return keep, trans, extra
-
-    def replica_peak_bytes(self, layout: Layout, mb_tokens: Sequence[float], mb_rs: Sequence[int],
-                           mb_lengths: Sequence[Sequence[int]] | None = None) -> float:
-        """Peak device memory of one replica running these micro-batches in this order.
-        `mb_lengths` (optional): each micro-batch's padded document lengths, for the terms
-        quadratic in them (see act_bytes_per_token)."""
-        layout = Layout(*layout)
-        k = len(mb_tokens)
-        if k == 0:
-            return self.state_bytes(layout)
-        m = self.model
-        # tied embeddings in one stage: the output layer's weight gradient waits for the
-        # embedding's (autograd sums the two before accumulating), [V/tp, h] through the
-        # layers' backward; with pp > 1 the last stage's output weight is a parameter of its own
-        tied = m.vocab_size / layout.tp * m.hidden_size * m.activation_bytes \
-            if (layout.pp == 1 and not m.untie_embeddings_and_output_weights) else 0.0
-        keep = np.empty(k)
-        trans = np.empty(k)
-        last = np.empty(k)
-        for i, (t, rs) in enumerate(zip(mb_tokens, mb_rs)):
-            kp, tr, lg = self.act_bytes_per_token(layout, rs, None if mb_lengths is None else mb_lengths[i])
-            keep[i], trans[i] = kp * t, tr * t
-            last[i] = kp * t + max((tr + lg) * t, tr * t + tied)
-        peak = float(last.max())
-        pp = layout.pp
-        if pp > 1:
-            w = min(pp, k)
-            cs = np.concatenate([[0.0], np.cumsum(keep)])
-            win = cs[w:] - cs[:-w]
-            # transient of the micro-batch being worked on, on top of the window it sits in
-            tmax = np.array([trans[i : i + w].max() for i in range(k - w + 1)])
-            peak = max(peak, float((win + tmax).max()))
-        return self.state_bytes(layout) + peak
-
-    def max_tokens(self, layout: Layout, rs: int, in_flight: int = 1) -> float:
-        """Largest micro-batch (tokens) that fits with `in_flight` equal micro-batches held
-        (1F1B stage 0 holds min(pp, count)). 0 when even the model state does not fit."""
-        free = self.capacity_bytes - self.state_bytes(layout)
-        if free <= 0:
-            return 0.0
-        kp, tr, lg = self.act_bytes_per_token(layout, rs)
-        per = max(kp + tr + lg, in_flight * kp + tr)
-        return free / per
 
     # ------------------------------------------------------------------ layouts the cluster allows
     def all_layouts(self, power_of_two: bool = True) -> list[Layout]:

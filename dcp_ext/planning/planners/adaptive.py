@@ -37,7 +37,9 @@ import numpy as np
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
-from dcp_ext.planning.planners.candidates import BatchPrep, Pool, build_pool, screen, stderr_progress
+from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
+from dcp_ext.planning.planners.candidates import Pool, build_pool, stderr_progress
+from dcp_ext.planning.planners.rebalance import rebalance
 from dcp_ext.planning.planners.common import (
     PackedReplica,
     canonical,
@@ -49,7 +51,6 @@ from dcp_ext.planning.planners.common import (
     make_type_table,
     pack_replica,
     parse_layout,
-    pipeline_overhead,
     place,
     sample_batches,
     to_iteration_plan,
@@ -304,12 +305,6 @@ class AdaptivePlanner(PlannerBase):
         sync = [prep.sync(lay, R) for lay, _ in placement]
         tob = [prep.types[lay] for lay, _ in placement]
 
-        def est(k: int, w: float, big: float = 0.0) -> float:
-            t = tob[k]
-            if t.tt.pp == 1:
-                return sync[k] + w
-            return sync[k] + w + max(pipeline_overhead(w, t.tt.pp, t.c0, t.tt.mb_full), (t.tt.pp - 1) * big)
-
         # stage 1a: earliest finish, longest first. A document may go to the type whose
         # length range (from the estimate) holds it or to a type ranked before it (more
         # capable); shorter documents then fill whatever is left anywhere.
@@ -319,7 +314,6 @@ class AdaptivePlanner(PlannerBase):
             heapq.heapify(h)
             heaps.append(h)
         is_pp = [lay.pp > 1 for lay, _, _ in order]
-        pp_const = [(lay.pp - 1, prep.types[lay].c0, prep.sync(lay, R), prep.types[lay].tt.mb_full) for lay, _, _ in order]
         costs = [prep.types[lay].cost for lay, _, _ in order]
         big = [0.0] * R
         nt = len(order)
@@ -336,16 +330,9 @@ class AdaptivePlanner(PlannerBase):
                     continue
                 load, k = heaps[j][0]
                 if is_pp[j]:
-                    q, c0, sy, full = pp_const[j]
-                    w = work[k] + c
-                    bg = big[k] if big[k] > c else c
-                    o1 = 2.0 * math.sqrt(q * c0 * w)
-                    if o1 > q * full:
-                        o1 = q * full
-                    o2 = q * bg
-                    t = sy + w + (o1 if o1 > o2 else o2)
+                    t = tob[k].finish(sync[k], work[k] + c, big[k] if big[k] > c else c)
                 else:
-                    t = load + c
+                    t = load + c  # the heap holds k's finish: sync + work, summed document by document
                 if t < best_t:
                     best_k, best_t, best_j = k, t, j
             if best_k < 0:  # nothing up to its range holds it: any type that can
@@ -353,7 +340,7 @@ class AdaptivePlanner(PlannerBase):
                     c = costs[j][p]
                     if c != inf:
                         load, k = heaps[j][0]
-                        t = est(k, work[k] + c, max(big[k], c))
+                        t = tob[k].finish(sync[k], work[k] + c, max(big[k], c))
                         if t < best_t:
                             best_k, best_t, best_j = k, t, j
             if best_k < 0:
@@ -365,18 +352,13 @@ class AdaptivePlanner(PlannerBase):
                 big[best_k] = c
             heapq.heapreplace(heaps[best_j], (best_t, best_k))
         # stage 1b: move documents from the most to the least loaded replica
-        self._rebalance(docs, work, tob, est, sync)
+        rebalance(docs, work, tob, sync, self.move_targets, self.max_moves)
         # stage 2: pack, choose recompute, price exactly
         out = []
-        sl = prep.__dict__.get("_s_list")
-        if sl is None:
-            sl = prep.__dict__["_s_list"] = prep.s.tolist()
-            prep.__dict__["_order_list"] = prep.order.tolist()
-        order_l = prep.__dict__["_order_list"]
         for k, (lay, ranks) in enumerate(placement):
-            orig = [order_l[p] for p in docs[k]]
-            mbs = pack_replica(self.cm, self.pool_tables[lay], sl, orig, stage_cost=self._cost_by_position(prep, lay))
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
+            orig = [prep.order_list[p] for p in docs[k]]
+            mbs = pack_replica(self.cm, self.pool_tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
         return out
 
     def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float) -> list[PackedReplica] | None:
@@ -402,146 +384,8 @@ class AdaptivePlanner(PlannerBase):
         if prep.n and int(prep.s.max()) > max(r.max_seq_len for r in rcs):
             return None
         res = A.plan_replicas(prep.s, rcs, seed=self.seed)
-        sl = prep.__dict__.get("_s_list") or prep.s.tolist()
         out = []
         for k, (lay, ranks) in enumerate(placement):
             mbs = [([int(d) for d in mb], 0) for mb in res.micro_batches[k] if len(mb)]
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, sl, mbs, R))
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
         return out
-
-    def _cost_by_position(self, prep: BatchPrep, lay: Layout) -> np.ndarray:
-        cache = prep.__dict__.setdefault("_cost_orig", {})
-        got = cache.get(lay)
-        if got is None:
-            arr = np.empty(prep.n)
-            arr[prep.order] = prep.types[lay].cost
-            got = cache[lay] = arr.tolist()
-        return got
-
-    @staticmethod
-    def _big(t, ds) -> float:
-        if t.tt.pp == 1 or not ds:
-            return 0.0
-        return max(t.cost[p] for p in ds)
-
-    @staticmethod
-    def _est_arr(t, sync: float, w, bg):
-        """Vectorised `est` of one replica (layout table t) for arrays of work and bubble."""
-        if t.tt.pp == 1:
-            return sync + w
-        q = t.tt.pp - 1
-        with np.errstate(invalid="ignore"):
-            over = np.minimum(2.0 * np.sqrt(q * t.c0 * np.maximum(w, 0.0)), q * t.tt.mb_full)
-        return sync + w + np.maximum(over, q * bg)
-
-    def _rebalance(self, docs, work, tob, est, sync) -> None:
-        """Move single documents off the replica with the latest estimated finish onto one
-        of the earliest ones, while that lowers the later of the two; then swaps."""
-        R = len(docs)
-        if R < 2:
-            return
-        big = [self._big(tob[k], docs[k]) for k in range(R)]
-        times = [est(k, work[k], big[k]) for k in range(R)]
-        by_layout: dict = {}
-        for k in range(R):
-            by_layout.setdefault(tob[k].tt.layout, []).append(k)
-        limit = self.max_moves if self.max_moves is not None else 4 * R + 16
-        swaps = 0
-        for _ in range(limit):
-            hi = max(range(R), key=lambda k: (times[k], -k))
-            t_hi = times[hi]
-            if not docs[hi]:
-                break
-            th = tob[hi]
-            dh = np.asarray(docs[hi])
-            ch = th.cost[dh]
-            if th.tt.pp > 1:
-                order = np.sort(ch)[::-1]
-                top0 = order[0]
-                top1 = order[1] if len(order) > 1 else 0.0
-                big_after = np.where(ch >= top0, top1, top0)
-            else:
-                big_after = 0.0
-            a = self._est_arr(th, sync[hi], work[hi] - ch, big_after)
-            best = None  # (new max of the pair, doc index in hi, target)
-            for lo in sorted(range(R), key=lambda k: times[k])[: self.move_targets]:
-                if lo == hi or t_hi - times[lo] <= 1e-9 * t_hi:
-                    continue
-                tl = tob[lo]
-                cn = tl.cost[dh]
-                bl = np.maximum(big[lo], cn) if tl.tt.pp > 1 else 0.0
-                with np.errstate(invalid="ignore"):
-                    m = np.maximum(a, self._est_arr(tl, sync[lo], work[lo] + cn, bl))
-                m = np.where(np.isfinite(cn), m, np.inf)
-                j = int(np.argmin(m))
-                if m[j] < t_hi - 1e-12 and (best is None or m[j] < best[0]):
-                    best = (float(m[j]), j, lo)
-            if best is None:
-                # a swap only when the spread is worth it
-                if t_hi - min(times) <= 2e-3 * t_hi or swaps >= R:
-                    break
-                swaps += 1
-                if not self._swap(hi, docs, work, tob, est, times, big, by_layout):
-                    break
-                continue
-            _, j, lo = best
-            p = docs[hi].pop(j)
-            work[hi] -= th.cost[p]
-            docs[lo].append(p)
-            work[lo] += tob[lo].cost[p]
-            big[hi] = self._big(tob[hi], docs[hi])
-            big[lo] = self._big(tob[lo], docs[lo])
-            times[hi] = est(hi, work[hi], big[hi])
-            times[lo] = est(lo, work[lo], big[lo])
-
-    def _swap(self, hi, docs, work, tob, est, times, big, by_layout) -> bool:
-        """Exchange one document of the latest replica with a cheaper one of an earlier
-        replica (of the same layout, or one of the three earliest overall) if that lowers
-        the later of the two. Returns whether a swap was made."""
-        t_hi = times[hi]
-        same = sorted(by_layout[tob[hi].tt.layout], key=lambda k: times[k])[: self.move_targets]
-        overall = sorted(range(len(docs)), key=lambda k: times[k])[: self.move_targets]
-        best = None
-        c_hi = tob[hi].cost
-        def est_vec(k, w, bg):
-            t = tob[k]
-            base = times[k] - work[k]  # sync (and nothing else for pp == 1)
-            if t.tt.pp == 1:
-                return base + w
-            sync = base - max(pipeline_overhead(work[k], t.tt.pp, t.c0, t.tt.mb_full), (t.tt.pp - 1) * big[k])
-            q = t.tt.pp - 1
-            over = np.maximum(np.minimum(2.0 * np.sqrt(q * t.c0 * np.maximum(w, 0.0)), q * t.tt.mb_full), q * bg)
-            return sync + w + over
-
-        for lo in dict.fromkeys(same + overall):
-            if lo == hi or times[lo] >= t_hi:
-                continue
-            dh, dl = np.asarray(docs[hi]), np.asarray(docs[lo])
-            if not len(dh) or not len(dl):
-                continue
-            c_lo = tob[lo].cost
-            hp, lp = c_hi[dh], c_lo[dh]  # hi's documents on hi / on lo
-            hq, lq = c_hi[dl], c_lo[dl]  # lo's documents on hi / on lo
-            w_hi = work[hi] - hp[:, None] + hq[None, :]
-            w_lo = work[lo] - lq[None, :] + lp[:, None]
-            # pipelines: keep the old largest document as the bubble (conservative)
-            b_hi = np.maximum(big[hi], hq[None, :]) if tob[hi].tt.pp > 1 else 0.0
-            b_lo = np.maximum(big[lo], lp[:, None]) if tob[lo].tt.pp > 1 else 0.0
-            with np.errstate(invalid="ignore"):
-                m = np.maximum(est_vec(hi, w_hi, b_hi), est_vec(lo, w_lo, b_lo))
-                m = np.where(np.isfinite(m) & (hq[None, :] < hp[:, None]), m, np.inf)
-            flat = int(np.argmin(m))
-            i, j = divmod(flat, m.shape[1])
-            if m[i, j] < t_hi - 1e-9 and (best is None or m[i, j] < best[0]):
-                best = (float(m[i, j]), i, lo, j)
-        if best is None:
-            return False
-        _, i, lo, j = best
-        p, q = docs[hi][i], docs[lo][j]
-        docs[hi][i], docs[lo][j] = q, p
-        work[hi] += tob[hi].cost[q] - tob[hi].cost[p]
-        work[lo] += tob[lo].cost[p] - tob[lo].cost[q]
-        for k in (hi, lo):
-            big[k] = self._big(tob[k], docs[k])
-            times[k] = est(k, work[k], big[k])
-        return True

@@ -39,6 +39,13 @@ class TypeTable:
     sync_lb: float  # receive-side sync (lower bound)
     caps_window: list[float] = field(default_factory=list)  # per allowed_rs, pp equal ones in flight
     mb_full: float = math.inf  # stage seconds of a micro-batch of cap_mb tokens (no recompute)
+    _act: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def act_per_token(self, cm: CostModel) -> np.ndarray:
+        """[allowed rs, (kept, transient, last-stage extra)] activation bytes per token (cached)."""
+        if self._act is None:
+            self._act = np.array([cm.act_bytes_per_token(self.layout, rs) for rs in self.allowed_rs])
+        return self._act
 
     @property
     def plan_caps(self) -> list[float]:
@@ -291,10 +298,7 @@ def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list
     lay = tt.layout
     free = cm.capacity_bytes - cm.state_bytes(lay)
     levels = tt.allowed_rs
-    per = tt.__dict__.get("_act_table")
-    if per is None:
-        per = np.array([cm.act_bytes_per_token(lay, rs) for rs in levels])  # [level, (keep, trans, logits)]
-        tt.__dict__["_act_table"] = per
+    per = tt.act_per_token(cm)  # [level, (keep, trans, logits)]
     pos_of = {rs: i for i, rs in enumerate(levels)}
     tokens = np.array([float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs])
     lvl = np.array([pos_of.get(rs, 0) for _, rs in mbs])
