@@ -21,6 +21,8 @@ from megatron.training.argument_yaml import load_yaml_defaults
 from megatron.training.model_flags import add_model_flags
 from megatron.training.upstream_flags import add_upstream_flags
 
+# what callers import from here (ArgumentError and validate_args are defined in argument_errors and
+# argument_checks, which this module imports)
 __all__ = ["ArgumentError", "build_parser", "parse_args", "parse_flags", "fill_derived", "validate_args",
            "world_size_from_env"]
 
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of one device in GiB (default: what torch reports for the device)")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
+
     loop_flags.add_loop_flags(p)  # the training loop's and checkpoints' upstream flags
     add_model_flags(p)
     add_upstream_flags(p)  # last: upstream's flags we do not define, refused or accepted with a reason
