@@ -1,5 +1,5 @@
-"""Shared fixtures: a small real-text corpus and the tiny model's Megatron flags; and a
-session-end check that the tests left no process running."""
+"""Shared fixtures: a small real-text corpus, the tiny model's Megatron flags, the CPU demo's
+adaptive reference run; and a session-end check that the tests left no process running."""
 import glob
 import json
 import os
@@ -116,3 +116,34 @@ def text_corpus(tmp_path_factory) -> str:
             start = int(rng.integers(0, max(1, len(data) - n)))
             docs.append([min(b, 254) for b in data[start : start + n]] + [255])
     return write_documents(str(root / "corpus_text_document"), docs, vocab_size=256)
+
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cpu_demo.yaml")
+
+
+def demo_flags(cache, planner, iters, log, plan_log=None):
+    """The CPU demo with --dcp (4 ranks): `iters` iterations of `planner`; losses to `log`.
+    Nothing here depends on `iters` but the stopping point (the documents and the LR
+    schedule do not), so a shorter run's losses are a longer run's first ones."""
+    flags = ["--yaml-cfg", DEMO, "--dcp", "--dcp-planner", planner, "--data-cache-path", cache,
+             "--dcp-global-batch-tokens", "4096", "--train-iters", str(iters), "--lr-decay-iters", "60",
+             "--log-interval", "1", "--eval-iters", "0", "--loss-log", log]
+    return flags + (["--dcp-log-plan", plan_log] if plan_log else [])
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dcp_cache"))
+
+
+@pytest.fixture(scope="session")
+def adaptive_demo(demo_cache, tmp_path_factory):
+    """One uninterrupted 20-iteration adaptive run of the CPU demo on 4 ranks, the reference of
+    the runs that restart or resume it: (loss records, plan records by index)."""
+    from tests.helpers import read_loss_log, read_plan_log, run_ranks
+
+    root = tmp_path_factory.mktemp("adaptive_demo")
+    log, plans = str(root / "loss.jsonl"), str(root / "plans.jsonl")
+    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_loss_log(log), read_plan_log(plans)
