@@ -166,7 +166,7 @@ def test_model_shape_flags():
 
 
 def test_engine_initialises_zero_centred_norms_at_zero():
-    from dcp_ext.runtime.engine import init_values
+    from dcp_ext.runtime.initial_values import init_values
 
     name = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
     assert float(init_values(name, 0, 8, 1, 0.02, 4).min()) == 1.0

@@ -153,7 +153,7 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
     share of every micro-batch in `idx`: {point index: (LocalMicroBatch, loss scale)}."""
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.runtime.model import build_gpt_model
-    from dcp_ext.runtime.engine import seed_rng_tracker
+    from dcp_ext.runtime.initial_values import seed_rng_tracker
     from dcp_ext.runtime.executor import StageRunner, localize
 
     args = job.args

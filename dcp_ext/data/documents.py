@@ -2,7 +2,7 @@
 
 Why: upstream Megatron's GPTDataset concatenates documents into fixed `--seq-length`
 samples; the adaptive engine needs each document as its own sample with its length known
-before the batch forms, so the planner can look ahead (issue 4).
+before the batch forms, so the planner can look ahead.
 
     train, valid, test = build_document_datasets(["0.7", "a_text_document", "0.3", "b_text_document"],
                                                  split="969,30,1", seed=1234, max_seq_len=4096)

@@ -14,7 +14,7 @@ Upstream re-forms groups for each micro-batch; a dcp-plan/v1 iteration fixes its
 so here one grouping serves the whole iteration (longer sequences are never put on a
 group smaller than they need; shorter ones may share a larger group).
 
-`dcp` (NUS DCP, as the issue summarises it: sequence parallelism per length bucket,
+`dcp` (NUS DCP, in short: sequence parallelism per length bucket,
 gradient accumulation to balance): TP fixed, pp = 1; sequences bucketed by the same cp
 rule; each bucket gets devices in proportion to its predicted work (by the cost model),
 split into groups of its cp; longest-processing-time balancing with the cost model inside
