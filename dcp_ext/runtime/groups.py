@@ -27,7 +27,6 @@ class GroupRegistry:
         for rep in self.replica_types:
             for rank_set in _rank_sets(rep):
                 self._group(rank_set)
-        self.world = dist.group.WORLD
         self._collections: dict[ReplicaType, object] = {}
 
     @property
