@@ -24,7 +24,7 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) pretrain_gpt_dcp.py
 
 test: install
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=25 tests
 
 bench: install
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
