@@ -81,14 +81,22 @@ def plan_for(index: int, layout: list[tuple], n_docs: int, recompute_every: int 
     return IterationPlan(index, list(range(n_docs)), replicas)
 
 
-def engine_step(engine, plan: IterationPlan, docs):
-    from dcp_ext.data.thd import build_micro_batch
+class InMemoryDocuments:
+    """Token arrays as a document dataset (what the engine's batch path reads)."""
 
-    rep = engine.my_replica(plan)
-    each, total = engine.padding_for(rep.replica_type)
-    batches = [build_micro_batch([docs[i] for i in mb.sample_ids], pad_each_to=each, pad_total_to=total)
-               for mb in rep.micro_batches]
-    return engine.step(plan, batches, loss_tokens(docs))
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __getitem__(self, i: int):
+        return self.docs[i]
+
+    def lengths_of(self, ids):
+        return [len(self.docs[i]) for i in ids]
+
+
+def engine_step(engine, plan: IterationPlan, docs):
+    """One step through the engine's own batch path (fetch, pack, pad, localise, count)."""
+    return engine.train_iteration(plan, InMemoryDocuments(docs))
 
 
 class Reference:
