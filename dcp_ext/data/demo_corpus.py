@@ -1,10 +1,14 @@
-"""The demo's corpus: the Python standard library's own `.py` files, byte-level tokenized.
+"""The demo's corpus: the Python standard library's own `.py` sources, byte-level tokenized.
 
 Why: the demo must train on real documents of very different lengths on any machine with
-Python, offline. The standard library is such a corpus (a few hundred files from ~100
-bytes to ~200 KB here). Selection: every `.py` under the stdlib directory, sorted by
-relative path, minus tests, site-/dist-packages and caches, at most `max_files`. Bytes
-are the tokens (ByteLevelTokenizer: 256 bytes + EOD = 256, vocab 257), EOD appended.
+Python, offline. The standard library is such a corpus. Selection: every `.py` under the
+stdlib directory, sorted by relative path, minus tests, site-/dist-packages and caches, at
+most `max_files`. A document is one top-level block of a module, as function-level code
+corpora cut them: the module's prelude (docstring, imports, constants), then each
+top-level `def`/`class` with its decorators; so lengths are long-tailed at laptop scale
+(Python 3.11 here: 6,443 documents, median 466 bytes, p90 3.6 KB, 17% above 2 KB, the
+longest 740 KB), where whole files would all be longer than the demo's 2,048-token limit.
+Bytes are the tokens (ByteLevelTokenizer: 256 bytes + EOD = 256, vocab 257), EOD appended.
 
 `ensure_demo_corpus(cache_dir)` returns the data prefix. It is cached (keyed by the
 Python version and the selection) and safe when several ranks call it at once: a file
@@ -22,7 +26,7 @@ import numpy as np
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.progress import Progress
 
-VERSION = 1
+VERSION = 2  # 2: documents are top-level blocks, not whole files
 EXCLUDE_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                 "lib2to3", "ensurepip"}
 
@@ -35,6 +39,25 @@ def stdlib_files(max_files: int = 3000) -> list[str]:
         out += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
     out.sort(key=lambda p: os.path.relpath(p, root))
     return out[:max_files]
+
+
+_TOP_LEVEL_START = (b"def ", b"async def ", b"class ", b"@")
+
+
+def top_level_blocks(source: bytes) -> list[bytes]:
+    """A module cut before each top-level definition (its decorators included); the
+    pieces concatenate back to `source`."""
+    blocks, current, previous = [], [], b""
+    for line in source.splitlines(keepends=True):
+        starts = line.startswith(_TOP_LEVEL_START) and not previous.startswith(b"@")
+        if starts and current:
+            blocks.append(b"".join(current))
+            current = []
+        current.append(line)
+        previous = line
+    if current:
+        blocks.append(b"".join(current))
+    return blocks
 
 
 def demo_prefix(cache_dir: str, max_files: int = 3000) -> str:
@@ -55,12 +78,13 @@ def _build(prefix: str, files: list[str]) -> None:
                 with open(path, "rb") as f:
                     raw = f.read()
                 bar.update(len(raw))
-                if not raw.strip():
-                    continue
-                ids = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
-                writer.add(np.append(ids, np.uint16(tok.eod)))
+                for block in top_level_blocks(raw):
+                    if not block.strip():
+                        continue
+                    ids = np.frombuffer(block, dtype=np.uint8).astype(np.uint16)
+                    writer.add(np.append(ids, np.uint16(tok.eod)))
         writer.finalize({"tokenizer": dict(tok.unique_identifiers), "eod": tok.eod,
-                         "source": "python stdlib", "files": len(files), "append_eod": True})
+                         "source": "python stdlib, top-level blocks", "files": len(files), "append_eod": True})
     except BaseException:
         writer.abort()
         raise

@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense bf16 peak TFLOP/s of one device, for a GPU the planner's table does not know")
     g.add_argument("--dcp-device-memory-gb", type=float, default=None,
                    help="memory of one device in GiB (default: what torch reports for the device)")
+    g.add_argument("--dcp-device-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="memory budget of one device, e.g. 256MB, 1.5GiB, 80GB (on CPU ranks: bytes for "
+                        "tensors, the process's code and libraries not counted); the planner keeps every "
+                        "replica's peak within it")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
 
@@ -229,6 +233,19 @@ def world_size_from_env(env) -> int:
     if "MASTER_PORT" in values and not 0 < values["MASTER_PORT"] < 65536:
         raise ArgumentError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a TCP port (1-65535)")
     return world
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def memory_size(text) -> int:
+    """`256MB`, `1.5GiB`, `80GB`, `1073741824` -> bytes (decimal MB/GB, binary MiB/GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write it like 256MB, 1.5GiB or 80GB")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str], hint: str) -> argparse.Namespace:

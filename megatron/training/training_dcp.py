@@ -29,18 +29,26 @@ from megatron.training.loop_features import LoopFeatures
 def cluster_for(world_size: int, args=None):
     """The cluster this job runs on: on a GPU, its memory from torch's device properties and
     its peak from the table of known kinds (dcp_ext/planning/gpu_table.py) or --dcp-device-tflops /
-    --dcp-device-memory-gb; an unknown GPU without them is one error line, never the CPU
-    preset. Without CUDA, this CPU (the flags override its numbers too)."""
+    --dcp-device-memory(-gb); an unknown GPU without them is one error line, never the CPU
+    preset. Without CUDA, this CPU (the flags override its numbers too; --dcp-device-memory
+    there is a budget for tensors alone)."""
     from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
     from dcp_ext.planning.specs import GiB, ClusterSpec
 
     tflops = getattr(args, "dcp_device_tflops", None)
     memory_gb = getattr(args, "dcp_device_memory_gb", None)
+    budget = getattr(args, "dcp_device_memory", None)
+    if budget is not None:
+        memory_gb = budget / GiB
     if not torch.cuda.is_available():
         spec = ClusterSpec.cpu_gloo(world_size)
         if tflops is not None:
             spec = spec.with_(peak_flops=tflops * 1e12)
-        if memory_gb is not None:
+        if budget is not None:
+            # a budget for tensors: the process's code and libraries (host memory on a GPU
+            # machine, the preset's reserve here) are not in it
+            spec = spec.with_(memory_bytes=float(budget), reserved_bytes=0.0)
+        elif memory_gb is not None:
             spec = spec.with_(memory_bytes=memory_gb * GiB)
         return spec
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
