@@ -2,8 +2,10 @@
 
 Why it exists: every planner, the baselines, the simulator and the lower bound must price
 the same work the same way, or comparisons between them mean nothing. This module is that
-single price list. It is analytic by default (FLOPs, bytes, bandwidths from the specs) and
-calibrated from a profile file (`dcp_ext.planning.profile`) when one is given.
+single price list. It is analytic by default (FLOPs, bytes, bandwidths from the specs),
+calibrated from a profile file (`dcp_ext.planning.profile`) when one is given, and
+recalibrated while training from the run's own timings (`dcp_ext.planning.calibration`,
+whose corrections apply on top of that prior).
 
 Shape of the model. For one pipeline stage and one micro-batch holding documents s_i
 (T = sum s_i tokens, x = T / cp rows per device):
@@ -129,6 +131,8 @@ class CostModel(MemoryAccounting):
         self.profile = profile
         self.memory_margin = memory_margin
         self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
+        self._prior: dict[tuple[Layout, int], StageCoeffs] = {}
+        self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
         self.buffer_params = 0.0  # see charge_shared_buffers
         self.buffer_by_layout: dict = {}
 
@@ -166,15 +170,36 @@ class CostModel(MemoryAccounting):
         return 2.0 * self.model.hidden_size * self.model.vocab_size
 
     # ------------------------------------------------------------------ time
-    def coeffs(self, layout: Layout, rs: int = 0) -> StageCoeffs:
+    def prior_coeffs(self, layout: Layout, rs: int = 0) -> StageCoeffs:
+        """Before recalibration: analytic, or the profile's when one is given."""
         key = (Layout(*layout), int(rs))
-        got = self._coeffs.get(key)
+        got = self._prior.get(key)
         if got is None:
             got = self._analytic_coeffs(*key)
             if self.profile is not None:
                 got = self.profile.calibrate(self, key[0], key[1], got)
+            self._prior[key] = got
+        return got
+
+    def coeffs(self, layout: Layout, rs: int = 0) -> StageCoeffs:
+        key = (Layout(*layout), int(rs))
+        got = self._coeffs.get(key)
+        if got is None:
+            got = self.prior_coeffs(*key)
+            if self.calibration is not None and self.calibration.observed:
+                got = self.calibration.adjust(key[0], key[1], got)
             self._coeffs[key] = got
         return got
+
+    def recalibrated(self) -> None:
+        """The calibration changed: prices are recomputed from it on next use."""
+        self._coeffs.clear()
+
+    @property
+    def iteration_overhead_s(self) -> float:
+        """What an iteration spends outside its replicas (measured; 0 before any measurement)."""
+        cal = self.calibration
+        return cal.outside_s if cal is not None and cal.observed else 0.0
 
     def _analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
         m, cl, g = self.model, self.cluster, self.cluster.gpu
@@ -249,7 +274,7 @@ class CostModel(MemoryAccounting):
         return layout.pp * self.mb_stage_time(lengths, layout, rs)
 
     # ------------------------------------------------------------------ optimizer sync
-    def sync_time(self, layout: Layout, num_replicas: int | None = None) -> float:
+    def prior_sync_time(self, layout: Layout, num_replicas: int | None = None) -> float:
         """Per-iteration pull (params into the layout) + push (grads into the fixed
         sharding over all ranks) for one device of `layout`. Each device receives its
         stage's parameter slice; each device also sends its 1/N fixed shard to every
@@ -277,6 +302,11 @@ class CostModel(MemoryAccounting):
         if self.profile is not None:
             t = self.profile.calibrate_sync(self, layout, t)
         return t
+
+    def sync_time(self, layout: Layout, num_replicas: int | None = None) -> float:
+        t = self.prior_sync_time(layout, num_replicas)
+        cal = self.calibration
+        return t * cal.sync_ratio(Layout(*layout)) if cal is not None and cal.observed else t
 
     # ------------------------------------------------------------------ layouts the cluster allows
     def all_layouts(self, power_of_two: bool = True) -> list[Layout]:

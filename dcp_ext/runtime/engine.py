@@ -38,6 +38,7 @@ from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
 from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
 from dcp_ext.runtime.streams import PullStream, PushStream
+from dcp_ext.runtime.timing import LocalTimings, PhaseClock
 from dcp_ext.runtime.initial_values import INIT_CHUNK, init_values, seed_rng_tracker
 
 @dataclass
@@ -60,6 +61,7 @@ class StepResult:
     bytes_moved: float = 0.0  # pull + push, all ranks together, this step
     exposed_comm_s: float = 0.0  # time this rank spent blocked on pull/push (max over ranks)
     loss_scale: float = 1.0
+    timings: LocalTimings | None = None  # this rank's (timing.reduce_step makes them global)
 
     @property
     def loss(self) -> float:
@@ -411,8 +413,10 @@ class AdaptiveEngine:
         scale = float(self.grad_scaler.scale.item()) if self.grad_scaler is not None else 1.0
         self._push = PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, stage.push_buckets,
                                 self.overlap)
+        clock = PhaseClock(self.device, len(micro_batches))
         try:
-            loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull, self._push)
+            loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull, self._push,
+                                                clock)
             self._pull.drain()
             t1 = time.perf_counter()
             self._push.finish()
@@ -420,6 +424,8 @@ class AdaptiveEngine:
                 sync_s += time.perf_counter() - t1
         finally:
             self._pull = self._push = None
+        timings = LocalTimings(it.replicas.index(self.my_replica(it)), stage.runner.pp_rank, clock.seconds(), sync_s,
+                               time.perf_counter() - t0)
         if self.grad_scaler is not None:
             self.optimizer.unscale(1.0 / scale)
         ok, norm = self.optimizer.step()
@@ -428,7 +434,7 @@ class AdaptiveEngine:
         moved = self.exchange.bytes_pulled + self.exchange.bytes_pushed - moved_before
         waited = sync_s if not self.overlap else self.exchange.wait_s - waited_before
         total_loss, total_tokens, total_moved, worst_wait = self._reduce(stage, loss_sum, tokens, moved, waited)
-        return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale)
+        return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale, timings)
 
     # ----------------------------------------------------------------- hooks
     def _pull_hook(self, bucket: int):

@@ -124,11 +124,14 @@ class StageRunner:
         self.model.train()
         return loss_sum, tokens
 
-    def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float, pull=None, push=None) -> tuple[float, float]:
+    def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float, pull=None, push=None,
+            clock=None) -> tuple[float, float]:
         """Forward and backward every micro-batch (1F1B). Returns (loss sum, loss tokens) on
-        the last stage, (0, 0) elsewhere."""
+        the last stage, (0, 0) elsewhere. `clock` (timing.PhaseClock) times each micro-batch's
+        forward and backward compute, not the waits for peers."""
         self.model.train()
         pull, push = pull or _NoStream(), push or _NoStream()
+        clock = clock or _NoClock()
         if not self.first:
             pull.drain()
         n = len(micro_batches)
@@ -140,14 +143,15 @@ class StageRunner:
         def forward(i, x):
             nonlocal loss_sum, tokens
             mb = micro_batches[i]
-            out = self._forward(mb, x)
-            pull.drain()
-            if self.last:
-                mask = mb.loss_mask.to(out.device).float()
-                per_mb = (out.float() * mask).sum()
-                loss_sum += per_mb.detach().double().cpu()
-                tokens += float(mask.sum())
-                out = per_mb * loss_scale
+            with clock.timing(i):
+                out = self._forward(mb, x)
+                pull.drain()
+                if self.last:
+                    mask = mb.loss_mask.to(out.device).float()
+                    per_mb = (out.float() * mask).sum()
+                    loss_sum += per_mb.detach().double().cpu()
+                    tokens += float(mask.sum())
+                    out = per_mb * loss_scale
             pending.append((x, out))
             return out
 
@@ -158,10 +162,11 @@ class StageRunner:
             if backwards[0] == n:
                 push.last_backward()
             x, out = pending.popleft()
-            if self.last:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
+            with clock.timing(backwards[0] - 1):
+                if self.last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grad_tensors=grad)
             return None if x is None else x.grad
 
         for i in range(warmup):
@@ -217,6 +222,12 @@ class StageRunner:
         if received is not None and recv_from == self.prev:
             received.requires_grad_()
         return received
+
+
+class _NoClock:
+    @contextmanager
+    def timing(self, index):
+        yield
 
 
 class _NoStream:

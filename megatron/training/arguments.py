@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget of one device, e.g. 256MB, 1.5GiB, 80GB (on CPU ranks: bytes for "
                         "tensors, the process's code and libraries not counted); the planner keeps every "
                         "replica's peak within it")
+    g.add_argument("--dcp-recalibration", choices=["on", "off"], default="on",
+                   help="refit the cost model from the run's own timings as it trains (off: the prices stay "
+                        "the analytic or --dcp-cost-profile ones, so plans are bit-reproducible)")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
 

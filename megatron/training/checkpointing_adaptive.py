@@ -116,6 +116,6 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     dist.barrier()
     if args.finetune:
         return 0, 0
-    planner.load_state_dict(common.get("planner_state") or {})
+    planner.load_planning_state(common.get("planner_state") or {})  # with the calibration's windows
     print_rank_0(f"  loaded adaptive checkpoint from {path} at iteration {common['iteration']}")
     return common["iteration"], common["consumed_train_samples"]

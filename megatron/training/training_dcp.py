@@ -24,6 +24,7 @@ from megatron.training.initialize import print_rank_0, set_random_seed_without_p
 from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
 from megatron.training.loop_features import LoopFeatures
+from megatron.training.online_calibration import OnlineCalibration
 
 
 def cluster_for(world_size: int, args=None):
@@ -76,6 +77,33 @@ def layout_summary(it) -> str:
     all_mbs = [mb for r in it.replicas for mb in r.micro_batches]
     recomputed = sum(1 for mb in all_mbs if mb.recompute_layers > 0)
     return f"layout: {layout} | mb {mbs} | recompute {recomputed}/{len(all_mbs)}"
+
+
+def layout_change_line(iteration: int, before, it, lengths_of: dict, planner) -> str | None:
+    """One line when the iteration's layout differs from the last one's, saying why: the
+    longest document, where it runs and with what recompute, and which of the old layout's
+    replica types could not hold it alone (or that the planner priced the new one faster)."""
+    if before is None or layout_label(before[0]) == layout_label(it):
+        return None
+    old_it, old_longest = before
+    longest = max(lengths_of.values()) if lengths_of else 0
+    where = ""
+    for rep in it.replicas:
+        for mb in rep.micro_batches:
+            if any(lengths_of.get(s) == longest for s in mb.sample_ids):
+                recompute = (f"{mb.recompute_layers}/{planner.model.num_layers} layers recomputed"
+                             if mb.recompute_layers else "no recompute")
+                where = f" on {rep.replica_type.label()}, {recompute}"
+                break
+        if where:
+            break
+    tables = getattr(planner, "tables", {})
+    too_small = sorted({f"{r.replica_type.label()} holds at most {int(tables[r.replica_type.layout].max_doc)}"
+                        for r in old_it.replicas if r.replica_type.layout in tables
+                        and tables[r.replica_type.layout].max_doc < longest})
+    why = ("; ".join(too_small) + " alone") if too_small else "the planner priced it faster for this batch"
+    return (f"> layout change at iteration {iteration}: {layout_label(old_it)} -> {layout_label(it)} | longest "
+            f"document {longest} tokens (before: {old_longest}){where} | {why}")
 
 
 def vocab_padding_for(args, vocab_size: int, cluster) -> int:
@@ -241,13 +269,17 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                  f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
     scheduler = build_scheduler(args, engine.optimizer)
+    recalibration = OnlineCalibration(planner, engine.device) if args.dcp_recalibration == "on" else None
     iteration, consumed = 0, 0
     if args.load:
         iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
     logger = TrainingLogger(args)
     features = LoopFeatures(args, adaptive=True)
-    steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features)
+    steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
+                          recalibration)
     history = run_training(args, steps, iteration, features)
+    if recalibration is not None:
+        print_rank_0(f"> cost model recalibrated online: {recalibration.summary()}")
     logger.close()
     dist.barrier()
     return history
@@ -259,7 +291,8 @@ class AdaptiveSteps:
 
     save_without_progress = False
 
-    def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features):
+    def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
+                 recalibration: OnlineCalibration | None = None):
         from dcp_ext.data.batches import GlobalBatchStream
 
         self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
@@ -270,8 +303,10 @@ class AdaptiveSteps:
                                         consumed_samples=consumed)
         self.planning = ThreadPoolExecutor(max_workers=1)
         self.upcoming = None
-        self.planner_state = planner.state_dict()  # as of the last plan run, before the next is made
+        self.recalibration = recalibration
+        self.planner_state = planner.planning_state()  # as of the last plan run, before the next is made
         self.window_layouts = Counter()
+        self.previous = None  # the last iteration's plan and lengths, for the layout-change line
         self.batch = self.it = self.result = None
         self.plan_s = 0.0
 
@@ -284,11 +319,14 @@ class AdaptiveSteps:
         from dcp_ext.runtime.engine import NoTrainableTokens
 
         args = self.args
+        start = time.perf_counter()
         self.batch = batch = self.stream.next()
         self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
         if list(self.it.sample_ids) != list(batch.sample_ids):
             raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
-        self.planner_state = self.planner.state_dict()
+        if self.recalibration is not None:
+            self.recalibration.between_plans()  # the planner is idle: the next plan sees the new prices
+        self.planner_state = self.planner.planning_state()
         ahead = self.stream.peek(1)
         more = ahead and iteration + 1 < args.train_iters
         self.upcoming = self.planning.submit(self._plan, iteration + 1, ahead[0]) if more else None
@@ -301,6 +339,10 @@ class AdaptiveSteps:
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             self.scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
+        if self.recalibration is not None:
+            self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)
+            # queued, applied at the next iteration's start: a checkpoint now keeps it
+            self.planner_state = {**self.planner_state, "calibration": self.recalibration.state_dict()}
         overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
         return Outcome(result.loss, ok, bool(overflow))
 
@@ -312,6 +354,11 @@ class AdaptiveSteps:
         flops = training_flops(batch.lengths, **self.logger.model_shape())
         summary = layout_summary(it)
         self.window_layouts[layout_label(it)] += 1
+        lengths_of = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
+        change = layout_change_line(iteration, self.previous, it, lengths_of, self.planner)
+        if change:
+            print_rank_0(change)
+        self.previous = (it, max(lengths_of.values(), default=0))
         extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
                  f"{1000 * elapsed_s:.1f} | plan (ms): {1000 * self.plan_s:.1f} | exposed comm (ms): "
                  f"{1000 * result.exposed_comm_s:.1f} | tokens: {sum(batch.lengths)} |")

@@ -218,6 +218,11 @@ class AdaptivePlanner(PlannerBase):
         self._current = None
         self._last_index = None
 
+    def _prices_changed(self) -> None:
+        # the tables' times (micro-batch constant, sync) follow the prices; memory caps do not move
+        self.tables = {l: make_type_table(self.cm, l, self.recompute) for l in self.tables}
+        self.pool_tables = {l: self.tables[l] for l in self.pool_tables}
+
     def state_dict(self) -> dict:
         """The layout the switching rule stays with, as its place in the pool (and the pool,
         which a run on another cluster does not share)."""

@@ -84,6 +84,38 @@ class PlannerBase:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    # -------------------------------------------------------------- recalibration
+    def calibrate_online(self, calibration) -> None:
+        """Price with `calibration`'s corrections from now on (its windows fill as the
+        run measures; `recalibrate` applies them)."""
+        self.cm.calibration = calibration
+
+    def recalibrate(self) -> bool:
+        """Apply the measurements queued since the last call (between plans only: every
+        rank must plan the next iteration from the same prices). True when prices changed."""
+        cal = self.cm.calibration
+        if cal is None or not cal.apply(self.cm):
+            return False
+        self.cm.recalibrated()
+        self._prices_changed()
+        return True
+
+    def _prices_changed(self) -> None:
+        """Planners that cache prices (tables built at start) refresh them here."""
+
+    def planning_state(self) -> dict:
+        """`state_dict` plus the calibration's windows: what a checkpoint keeps."""
+        cal = self.cm.calibration
+        return {**self.state_dict(), "calibration": cal.state_dict() if cal is not None else None}
+
+    def load_planning_state(self, state: dict) -> None:
+        self.load_state_dict(state)
+        cal = self.cm.calibration
+        if cal is not None and state.get("calibration"):
+            cal.load_state_dict(state["calibration"], self.cm)
+            self.cm.recalibrated()
+            self._prices_changed()
+
     # -------------------------------------------------------------- helpers
     def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
         seen = set(self._types)

@@ -393,7 +393,7 @@ def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[Pack
         index=index,
         sample_ids=[int(x) for x in sample_ids],
         replicas=out,
-        predicted_time_s=float(max((r.time_s for r in reps), default=0.0)),
+        predicted_time_s=float(max((r.time_s for r in reps), default=0.0)) + cm.iteration_overhead_s,
     )
 
 

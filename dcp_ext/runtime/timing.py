@@ -1,0 +1,97 @@
+"""What a training step took, per micro-batch and per replica, the same on every rank.
+
+Why it exists: online recalibration (dcp_ext.planning.calibration) refits the cost model
+from the run's own timings, and every rank plans on its own, so every rank must refit
+from the same numbers. Each rank times its stage's forward and backward of every
+micro-batch (`PhaseClock`: wall clock on the CPU, CUDA events on a GPU, read once after
+the step), and its pull+push and whole replica step; `reduce_step` places them in slots
+known from the plan on every rank and takes one MAX all-reduce (a stage's slowest rank
+is the stage's time; only one stage writes each slot), so everyone gets the same
+`StepTimings`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class PhaseClock:
+    """Forward and backward seconds of each micro-batch of one stage, on its device."""
+
+    def __init__(self, device: torch.device, count: int):
+        self.cuda = torch.device(device).type == "cuda"
+        self.count = count
+        self._cpu = [0.0] * count
+        self._events: list[tuple] = []
+
+    @contextmanager
+    def timing(self, index: int):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((index, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._cpu[index] += time.perf_counter() - t0
+
+    def seconds(self) -> list[float]:
+        """Forward+backward seconds per micro-batch (synchronises the device once)."""
+        if self._events:
+            torch.cuda.synchronize()
+            out = list(self._cpu)
+            for i, start, end in self._events:
+                out[i] += start.elapsed_time(end) / 1000.0
+            return out
+        return list(self._cpu)
+
+
+@dataclass
+class LocalTimings:
+    """One rank's share: its replica (plan position), stage, micro-batch times, sync, step."""
+
+    replica: int
+    stage: int
+    micro_batches: list[float]
+    sync_s: float
+    replica_s: float
+
+
+@dataclass
+class StepTimings:
+    """Reduced over ranks: per replica (plan order) its micro-batches' forward+backward
+    summed over stages, its pull+push, its whole step; and the iteration's wall time."""
+
+    micro_batches: list[list[float]]
+    sync_s: list[float]
+    replica_s: list[float]
+    wall_s: float
+
+
+def reduce_step(it, local: LocalTimings, wall_s: float, device) -> StepTimings:
+    """One MAX all-reduce over every rank (collective: every rank calls it each step)."""
+    shapes = [(len(r.micro_batches), r.pp) for r in it.replicas]
+    offsets, o = [], 0
+    for n, pp in shapes:
+        offsets.append(o)
+        o += n * pp
+    n_rep = len(shapes)
+    values = torch.zeros(o + 2 * n_rep + 1, dtype=torch.float64)
+    base = offsets[local.replica]
+    pp = shapes[local.replica][1]
+    for j, secs in enumerate(local.micro_batches):
+        values[base + j * pp + local.stage] = secs
+    values[o + local.replica] = local.sync_s
+    values[o + n_rep + local.replica] = local.replica_s
+    values[-1] = wall_s
+    values = values.to(device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    v = values.cpu().tolist()
+    mbs = [[sum(v[offsets[r] + j * pp + p] for p in range(pp)) for j in range(n)] for r, (n, pp) in enumerate(shapes)]
+    return StepTimings(mbs, v[o : o + n_rep], v[o + n_rep : o + 2 * n_rep], v[-1])
