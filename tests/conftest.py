@@ -125,7 +125,7 @@ def demo_flags(cache, planner, iters, log, plan_log=None):
     """The CPU demo with --dcp (4 ranks): `iters` iterations of `planner`; losses to `log`.
     Nothing here depends on `iters` but the stopping point (the documents and the LR
     schedule do not), so a shorter run's losses are a longer run's first ones."""
-    flags = ["--yaml-cfg", DEMO, "--dcp", "--dcp-planner", planner, "--data-cache-path", cache,
+    flags = ["--yaml-cfg", DEMO, "--dcp", "--dcp-planner", planner, "--data-cache-path", cache, "--dcp-recalibration", "off",
              "--dcp-global-batch-tokens", "4096", "--train-iters", str(iters), "--lr-decay-iters", "60",
              "--log-interval", "1", "--eval-iters", "0", "--loss-log", log]
     return flags + (["--dcp-log-plan", plan_log] if plan_log else [])

@@ -18,6 +18,7 @@ RUNTIME_MODEL = [
     # larger eps keeps the update well conditioned; gradients are compared directly too.
     "--adam-eps", "1e-5",
     "--train-iters", "10", "--data-path", "unused", "--dcp", "--dcp-global-batch-tokens", "4096",
+    "--dcp-recalibration", "off",  # plans from fixed prices: runs comparable bit for bit
 ]
 VOCAB = 256
 

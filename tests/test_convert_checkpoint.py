@@ -53,7 +53,7 @@ def exported(text_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     data = ["--data-path", text_corpus, "--data-cache-path", str(root / "cache")]
     dcp = str(root / "dcp")
-    r = run_ranks(2, TINY_MODEL + PAD + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--train-iters", "3",
+    r = run_ranks(2, TINY_MODEL + PAD + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off", "--train-iters", "3",
                                                 "--save", dcp])
     assert r.returncode == 0, r.stderr[-3000:]
     exports = {}

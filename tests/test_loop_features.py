@@ -243,7 +243,8 @@ def test_sigterm_to_the_ranks_saves_and_resumes_exactly(text_corpus, tmp_path):
 def test_sigterm_to_torchrun_under_dcp_saves_a_complete_checkpoint(text_corpus, tmp_path):
     """torchrun forwards the signal to its workers; the adaptive loop saves before it goes."""
     data = ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache")]
-    flags = SAMPLE_MODEL + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--global-batch-size", "4"]
+    flags = SAMPLE_MODEL + data + ["--dcp", "--dcp-global-batch-tokens", "512", "--global-batch-size", "4",
+                                   "--dcp-recalibration", "off"]
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "first.jsonl")
     proc, out = _start(flags + ["--train-samples", "400000", "--save", save, "--exit-signal-handler", "--loss-log",
                                 log, "--log-throughput"], 2, tmp_path / "first.out")

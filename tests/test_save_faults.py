@@ -46,7 +46,7 @@ def _args(kind: str, root: str):
     flags = TINY_MODEL + ["--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", "10",
                           "--data-path", "unused", "--save", root, "--load", root, "--use-distributed-optimizer"]
     if kind == "dcp":
-        flags += ["--dcp", "--dcp-global-batch-tokens", "512"]
+        flags += ["--dcp", "--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off"]
     args = parse_args(flags)
     global_vars.set_args(args)
     global_vars.build_tokenizer(args)
