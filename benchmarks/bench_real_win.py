@@ -210,6 +210,7 @@ class Run:
     memory: dict | None = None  # the report line, parsed
     vmhwm_gb: dict = field(default_factory=dict)  # rank -> GB, read from outside
     error: str | None = None
+    text: str = ""  # the run's stdout and stderr
 
 
 def launch(name: str, flags: list[str], nproc: int, work: str, timeout: float, note: str = "") -> Run:
@@ -251,6 +252,7 @@ def launch(name: str, flags: list[str], nproc: int, work: str, timeout: float, n
         out.seek(0)
         text = out.read()
     run.rc = proc.returncode if proc.returncode is not None else -9
+    run.text = text
     run.iterations = parse_iterations(text)
     run.memory = parse_memory_line(text)
     if run.error is None and run.rc != 0:
