@@ -28,10 +28,10 @@ lines' elapsed time) and over the whole command's wall clock, peak memory per ra
 line, and each worker's VmHWM read from outside), within budget, and dcp / best static.
 Results: benchmarks/results/real_win.json and real_win.png (tokens/s and peaks per run).
 
-    python benchmarks/bench_real_win.py             # ~9-12 min on 2 cores (6 static runs + fallbacks, dcp)
-    python benchmarks/bench_real_win.py --quick     # ~4-5 min (2 static runs + 1 fallback, dcp, 4 iterations)
+    python benchmarks/bench_real_win.py             # ~8-10 min on 2 cores: 6 static runs (fallbacks included) + dcp, 5 iterations
+    python benchmarks/bench_real_win.py --quick     # ~5 min (measured 4.9): 3 static runs + dcp, 4 iterations
 
-A run takes about a minute on 2 shared cores (~25 s to start 4 ranks, 5-15 s an iteration);
+A run takes 55-90 s on 2 shared cores (~25-40 s to start 4 ranks, 4-15 s an iteration);
 times on a loaded machine move with the load, memory does not.
 """
 from __future__ import annotations
@@ -297,7 +297,8 @@ def throughput(run: Run, warmup: int, tokens_per_static_iteration: int) -> dict:
     seconds = sum(it["elapsed_s"] for it, _ in steady)
     return {"steady_tokens_per_s": sum(t for _, t in steady) / seconds if steady and seconds > 0 else None,
             "wall_tokens_per_s": sum(tok) / run.wall_s if its and run.wall_s > 0 else None,
-            "timed_iterations": len(steady), "tokens": sum(tok)}
+            "timed_iterations": len(steady), "tokens": sum(tok),
+            "tokens_per_iteration": sum(tok) / len(tok) if tok else None}
 
 
 def within(run: Run) -> bool | None:
@@ -331,7 +332,7 @@ def run_static(cands: list[Candidate], args, work: str) -> list[tuple[Candidate,
                 alt.verdict = ""
                 queue.insert(0, alt)
     for cand in queue:
-        cand.verdict = f"not run: --static-runs {args.static_runs} reached (predicted slower)"
+        cand.verdict = f"--static-runs {args.static_runs} reached (predicted slower, or a fallback queued last)"
     return done
 
 
@@ -376,7 +377,7 @@ def not_run(cands: list[Candidate]) -> dict[str, list[str]]:
 
 
 def print_table(rows: list[dict], best: dict | None, dcp: dict | None, args) -> None:
-    print(f"{'run':6s} {'layout':34s} {'tok/s':>7s} {'tok/s wall':>10s} {'wall s':>7s} {'peak MiB per rank':>18s} "
+    print(f"{'run':6s} {'layout':34s} {'tok/it':>6s} {'tok/s':>7s} {'tok/s wall':>10s} {'wall s':>7s} {'peak MiB per rank':>18s} "
           f"{'(cost model)':>12s} {'VmHWM GB per rank':>20s} {'within':>7s}")
     for r in rows:
         peaks = " ".join(map(str, r["peaks_mib"])) if r["peaks_mib"] else "-"
@@ -386,7 +387,8 @@ def print_table(rows: list[dict], best: dict | None, dcp: dict | None, args) -> 
         if r["error"]:
             print(f"{r['run']:6s} {r['layout']:34s} failed: {r['error']}")
             continue
-        print(f"{r['run']:6s} {r['layout']:34s} {fmt(r['steady_tokens_per_s'], '7.0f')} {fmt(r['wall_tokens_per_s'], '10.0f')} "
+        print(f"{r['run']:6s} {r['layout']:34s} {fmt(r['tokens_per_iteration'], '6.0f')} "
+              f"{fmt(r['steady_tokens_per_s'], '7.0f')} {fmt(r['wall_tokens_per_s'], '10.0f')} "
               f"{r['wall_s']:7.0f} {peaks:>18s} {fmt(r['predicted_peak_mib'], '12.0f')} {hwm:>20s} {ok:>7s}  "
               f"{mark}")
 
@@ -489,7 +491,8 @@ def main(argv=None) -> int:
           "--reset-position-ids; dcp: --dcp-split-long-documents")
     what = next((r["what"] for r in rows if r["what"]), "?")
     print(f"peak MiB per rank: each run's own line ({what}); VmHWM: each worker's peak RSS read from outside "
-          "(code and libraries included); tok/s wall: all tokens over the whole command (start-up included)")
+          "(code and libraries included); tok/it: tokens per iteration; tok/s wall: all tokens over the whole "
+          "command (start-up included)")
     print_table(rows, best, dcp_row, args)
     print("static configs not run:")
     for reason, labels in not_run(cands).items():
