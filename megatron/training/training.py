@@ -30,6 +30,7 @@ from megatron.training.data_workers import WorkerBatches
 from megatron.training.errors import TrainingError
 from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
+from megatron.training.memory_report import report_memory, start_memory_report
 
 
 def dtype_of(args) -> torch.dtype:
@@ -264,6 +265,7 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
                               partial(transformer_config_from_args, args), build_lr_scheduler)
     initialize_model_parallel(args)
     set_random_seed(args.seed)
+    peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
     model, optimizer, config = build_model_and_optimizer(args, model_provider)
     scheduler = build_lr_scheduler(args, optimizer)
     iteration, consumed_samples = 0, 0
@@ -273,6 +275,7 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
     logger = TrainingLogger(args)
     history = train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
                     iteration, consumed_samples, logger)
+    report_memory(args, peak_memory)
     logger.close()
     dist.barrier()
     return history

@@ -251,6 +251,8 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
     planner = build_planner(args, train_ds, cluster)
     types = planner.replica_types()
+    from megatron.training.memory_report import report_memory, start_memory_report
+    peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
     engine = AdaptiveEngine(
         types,
         lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -280,6 +282,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     history = run_training(args, steps, iteration, features)
     if recalibration is not None:
         print_rank_0(f"> cost model recalibrated online: {recalibration.summary()}")
+    report_memory(args, peak_memory)
     logger.close()
     dist.barrier()
     return history
