@@ -3,15 +3,19 @@
 Why it exists: `--dcp-device-memory` is a promise (every replica's peak stays within the
 budget) and a promise needs a measurement next to it. On a GPU the measurement is the
 caching allocator's own peak (`torch.cuda.max_memory_allocated`). A CPU rank has no
-device: its "device memory" is the resident memory the process gains after the start
-point (the model state, activations, allocator slack), read from the kernel: the peak
-resident size (VmHWM), reset at the start through /proc/self/clear_refs where Linux
-allows it, minus the resident size then (code and libraries, which a GPU machine keeps
-in host memory). Elsewhere `getrusage`'s lifetime peak is the fallback (an upper bound).
+device and torch keeps no CPU allocator statistics: its "device memory" is the anonymous
+resident memory the process gains after the start point (tensors, autograd's saved
+activations, allocator slack; not the code pages of torch's libraries that the first
+backward faults in, which are file-backed and on a GPU machine host memory). Linux gives
+the current anonymous size (RssAnon) but no peak of it, so a daemon thread samples it
+every `interval_s` (torch kernels release the GIL; activations live for whole layers, far
+longer than a sample). Where RssAnon is missing, the peak resident size (VmHWM, reset at
+the start where /proc/self/clear_refs allows) is the fallback: an upper bound.
 """
 from __future__ import annotations
 
 import resource
+import threading
 
 import torch
 
@@ -42,28 +46,57 @@ def _reset_resident_peak() -> bool:
 class PeakMemory:
     """Peak device bytes of this process from construction on."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, interval_s: float = 0.002):
         self.device = torch.device(device)
+        self.baseline = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = 0
+            return
+        anon = _status_kib("RssAnon")
+        self.sampled = anon is not None
+        if self.sampled:
+            self.baseline = anon * 1024
+            self._peak = self.baseline
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, args=(interval_s,), daemon=True,
+                                            name="peak-memory-sampler")
+            self._thread.start()
             return
         _reset_resident_peak()
         rss = _status_kib("VmRSS")
         self.baseline = (rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
+    def _sample(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self._read()
+
+    def _read(self) -> None:
+        anon = _status_kib("RssAnon")
+        if anon is not None and anon * 1024 > self._peak:
+            self._peak = anon * 1024
+
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
+        if self.sampled:
+            self._read()
+            return max(0, self._peak - self.baseline)
         hwm = _status_kib("VmHWM")
         if hwm is None:
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return max(0, hwm * 1024 - self.baseline)
 
+    def stop(self) -> None:
+        if self.device.type != "cuda" and self.sampled:
+            self._stop.set()
+
     @property
     def what(self) -> str:
-        return ("allocator peak" if self.device.type == "cuda"
-                else f"resident peak above the {self.baseline / 2**20:.0f} MiB at start")
+        if self.device.type == "cuda":
+            return "allocator peak"
+        if self.sampled:
+            return f"anonymous resident peak above the {self.baseline / 2**20:.0f} MiB at start"
+        return f"resident peak above the {self.baseline / 2**20:.0f} MiB at start"
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
