@@ -10,14 +10,14 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
-from dcp_ext.planning.planners.doc_memory import bin_check, doc_caps, fits_alone, level_bytes
+from dcp_ext.planning.planners.doc_memory import BinCheck, bin_check, doc_caps, fits_alone, level_bytes
 from dcp_ext.planning.simulator import one_f_one_b
 
 
@@ -234,22 +234,25 @@ class PackedReplica:
 
 
 def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float,
-                         fits: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Bins of total size <= cap (a larger item gets a bin of its own); with `fits`, only
-    bins it accepts (a memory check of the bin's documents, see doc_memory.bin_check)."""
+                         check: BinCheck | None = None) -> list[list[int]]:
+    """Bins of total size <= cap (a larger item gets a bin of its own); with `check`, only
+    bins it accepts (a memory check of the bin's documents, see doc_memory.BinCheck)."""
     order = sorted(docs, key=lambda d: -sizes[d])
     bins: list[list[int]] = []
     room: list[float] = []
     for d in order:
         x = sizes[d]
         for i, r in enumerate(room):
-            if x <= r and (fits is None or fits(bins[i] + [d])):
+            if x <= r and (check is None or check.fits(i, bins[i] + [d])):
                 bins[i].append(d)
                 room[i] = r - x
                 break
         else:
+            i = len(bins)
             bins.append([d])
             room.append(cap - x)
+        if check is not None:
+            check.put(i, bins[i])
     return bins
 
 
@@ -275,9 +278,9 @@ def pack_replica(
         return []
     cap = tt.cap_mb
     solo = tt.doc_caps[0] if tt.quadratic else cap  # longest document packed without recompute
-    fits = bin_check(cm, tt.layout, s, 0, tt.pp)
     long_docs = [d for d in docs if s[d] > solo]
     short = [d for d in docs if s[d] <= solo]
+    check = bin_check(cm, tt.layout, s, 0, tt.allowed_rs[-1], [[d] for d in long_docs])
     mbs: list[tuple[list[int], int]] = []
     for d in long_docs:
         rs = tt.rs_planned(float(s[d]))
@@ -286,7 +289,7 @@ def pack_replica(
         mbs.append(([d], rs))
     if short:
         if tt.pp == 1:
-            for b in first_fit_decreasing(short, s, cap, fits):
+            for b in first_fit_decreasing(short, s, cap, check):
                 mbs.append((b, 0))
         else:
             co = cm.coeffs(tt.layout, 0)
@@ -305,7 +308,7 @@ def pack_replica(
                 c = cost[d] if cost is not None else co.b * x + co.a * x * x
 
                 def takes(entry) -> bool:
-                    return entry[2] + x <= cap and (fits is None or fits(bins[entry[1]] + [d]))
+                    return entry[2] + x <= cap and (check is None or check.fits(entry[1], bins[entry[1]] + [d]))
 
                 aside = []
                 while heap and not takes(heap[0]) and len(aside) < 8:
@@ -316,6 +319,8 @@ def pack_replica(
                     bins.append([])
                     load, i, tok = 0.0, len(bins) - 1, 0.0
                 bins[i].append(d)
+                if check is not None:
+                    check.put(i, bins[i])
                 heapq.heappush(heap, (load + c, i, tok + x))
                 for item in aside:
                     heapq.heappush(heap, item)

@@ -175,8 +175,8 @@ class _CPPoolPlanner(PlannerBase):
             lay = Layout(self.tp, cp, self.pp)
             tt = self.table(lay)
             cap = cp * self.per_rank
-            fits = bin_check(self.cm, lay, s, self.rs, self.pp)
-            mbs = [(b, self.rs) for b in first_fit_decreasing(docs, s, cap, fits)] if docs else []
+            check = bin_check(self.cm, lay, s, self.rs, tt.allowed_rs[-1])
+            mbs = [(b, self.rs) for b in first_fit_decreasing(docs, s, cap, check)] if docs else []
             ranks = list(range(start, start + cp * unit))
             start += cp * unit
             reps.append(finish_replica(self.cm, tt, ranks, s, mbs, R))

@@ -28,6 +28,7 @@ from dcp_ext.planning.planners.common import (
     sample_batches,
     to_iteration_plan,
 )
+from dcp_ext.planning.planners.doc_memory import bin_check
 from dcp_ext.planning.simulator import one_f_one_b
 
 
@@ -93,19 +94,11 @@ class StaticPlanner(PlannerBase):
 
     def _packs(self, s: np.ndarray, lay: Layout | None = None, rs: int = 0) -> list[list[int]]:
         """Packs of at most max_seq_len tokens, first-fit-decreasing. On a quadratic layout
-        (`lay`) each pack must also fit alone at `rs` and, with pipelines, keep and hold in
-        transit no more than one max_seq_len document does: `_holds` made pp of those fit in
-        flight, so every 1F1B window of packs fits. A document alone always passes."""
-        fits = None
-        if lay is not None and self.cm.quadratic(lay):
-            cm = self.cm
-            free = cm.capacity_bytes - cm.state_bytes(lay)
-            ref_keep, ref_trans, _ = cm.micro_batch_bytes(lay, rs, cm.padded_lengths(lay, [self.max_seq_len]))
-
-            def fits(docs):
-                keep, trans, alone = cm.micro_batch_bytes(lay, rs, cm.padded_lengths(lay, [s[d] for d in docs]))
-                return alone <= free and (lay.pp == 1 or (keep <= ref_keep and trans <= ref_trans))
-        return first_fit_decreasing(range(len(s)), s, self.max_seq_len, fits)
+        (`lay`) also by their documents' memory at `rs`, that level throughout (BinCheck with
+        top = rs): then every 1F1B window of packs fits as it is. A document alone always
+        fits: `_holds` made pp of a max_seq_len one fit in flight."""
+        check = bin_check(self.cm, lay, s, rs, rs) if lay is not None else None
+        return first_fit_decreasing(range(len(s)), s, self.max_seq_len, check)
 
     def _deal(self, packs: list[list[int]], d: int) -> list[list[list[int]]]:
         per: list[list[list[int]]] = [[] for _ in range(d)]
