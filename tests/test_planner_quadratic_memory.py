@@ -32,16 +32,23 @@ from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import iteration_to_json
 from dcp_ext.planning.planner import PlanningError, make_planner
 from dcp_ext.planning.planners.common import make_type_table, pack_replica
-from dcp_ext.planning.simulator import simulate_iteration
+from dcp_ext.planning.simulator import lower_bound, simulate_iteration
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 CODE = os.path.join(DATA_DIR, "code_python_cl100k.txt")
 MODEL = ModelSpec.from_preset("demo")  # 4 layers, h 128, 8 heads, 4 groups, ffn 352, vocab 512, fp32, tied
 BUDGET = ClusterSpec.cpu_gloo(4).with_(memory_bytes=256e6, reserved_bytes=0.0)  # --dcp-device-memory 256MB
 KW = dict(max_seq_len=2048, global_batch_tokens=8192)
-# every planner that can run the setting (static: a layout that holds 2048 tokens)
+# every planner that can run the setting (static: a layout that holds 2048 tokens), and
+# pipelines, whose 1F1B windows mix micro-batches of many tokens with long documents
 SETTINGS = [("adaptive", {}), ("static", {"layout": (2, 2, 1)}), ("static", {"layout": (1, 4, 1)}),
-            ("dynamic-cp", {}), ("dcp", {}), ("hydraulis", {})]
+            ("dynamic-cp", {}), ("dcp", {}), ("hydraulis", {}), ("static", {"layout": (1, 2, 2)}),
+            ("dynamic-cp", {"setting": (1, 2, 2)}),
+            ("adaptive", {"layouts": ["1xtp1cp2pp2", "1xtp2cp1pp2", "2xtp1cp1pp2", "1xtp2cp1pp1+2xtp1cp1pp1"]})]
+
+
+def setting_id(name, opt) -> str:
+    return name + "".join(f"-{v}" for v in opt.values()).replace(" ", "")
 
 
 def code_lengths(cap: int) -> np.ndarray:
@@ -160,7 +167,7 @@ def code_batches():
     return lengths, global_batches(lengths.tolist(), 8192, 2048, count=12)
 
 
-@pytest.mark.parametrize("name,opt", SETTINGS, ids=[f"{n}{o.get('layout', '')}" for n, o in SETTINGS])
+@pytest.mark.parametrize("name,opt", SETTINGS, ids=[setting_id(n, o) for n, o in SETTINGS])
 def test_every_plan_fits_by_its_padded_documents(code_batches, name, opt):
     lengths, batches = code_batches
     p = make_planner(name, MODEL, BUDGET, **KW, length_sample=lengths, **opt)
@@ -168,6 +175,9 @@ def test_every_plan_fits_by_its_padded_documents(code_batches, name, opt):
     for i, ids in enumerate(batches):
         it = p.plan(i, ids, lengths[ids].tolist())  # the post-condition: the simulator's check
         length_of = dict(zip(ids, lengths[ids].tolist()))
+        # the lower bound knows no quadratic term: it can only be lower than the plans
+        res = simulate_iteration(cm, it, length_of)
+        assert res.time_s >= lower_bound(cm, lengths[ids].tolist()) * (1 - 1e-9)
         peaks = replica_peaks(cm, it, length_of)
         assert max(peaks) <= cm.capacity_bytes * (1 + 1e-9), (name, i, max(peaks) / cm.capacity_bytes)
         for r in it.replicas:  # no 2048-token document on a layout that cannot hold it
@@ -275,7 +285,7 @@ def main() -> None:
             total += len(peaks)
             mix = "+".join(sorted(f"tp{r.tp}cp{r.cp}pp{r.pp}" for r in it.replicas))
             mixes[mix] = mixes.get(mix, 0) + 1
-        print(f"{name}{opt.get('layout', '')}: {over}/{total} replicas over the budget; {p.describe()}")
+        print(f"{setting_id(name, opt)}: {over}/{total} replicas over the budget; {p.describe()}")
         if name == "adaptive":
             print(f"  {len(mixes)} distinct layout mixes picked: " + ", ".join(f"{m} x{n}" for m, n in mixes.items()))
 

@@ -21,6 +21,10 @@ Per iteration:
      keep the best (within 0.2%, the one with more, smaller replicas); the layout changes
      only when the gain beats the switching cost plus a margin.
 
+On CPU ranks memory is quadratic in document lengths (the attention keeps its
+probabilities): there every "fits" above is the check of the micro-batch's padded
+documents (`dcp_ext.planning.planners.doc_memory`), token caps are only upper bounds.
+
 State: the current layout (for the switching rule) is the only state; calling with an
 index that does not follow the previous one forgets it. Same calls, same plans.
 
