@@ -9,6 +9,10 @@ fixed shard over all ranks, activations per token per layer with and without rec
 the micro-batches 1F1B keeps in flight (stage 0 holds a window of pp), and the transient
 output-layer logits. Recompute is counted in layers per stage (`rs`); the plan's
 `recompute_layers` is the model-wide count, rs * pp.
+
+On the CPU the attention's probabilities make activations quadratic in document lengths
+(`quadratic`): there a micro-batch is checked by its padded documents (`padded_lengths`,
+`micro_batch_bytes`, `fits_in_flight`, `max_doc_length`), not by its token count alone.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from dcp_ext.data.lengths import round_up
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.specs import bucket_numel_for
 
@@ -215,12 +220,7 @@ class MemoryAccounting:
         k = len(mb_tokens)
         if k == 0:
             return self.state_bytes(layout)
-        m = self.model
-        # tied embeddings in one stage: the output layer's weight gradient waits for the
-        # embedding's (autograd sums the two before accumulating), [V/tp, h] through the
-        # layers' backward; with pp > 1 the last stage's output weight is a parameter of its own
-        tied = m.vocab_size / layout.tp * m.hidden_size * m.activation_bytes \
-            if (layout.pp == 1 and not m.untie_embeddings_and_output_weights) else 0.0
+        tied = self._tied_bytes(layout)
         keep = np.empty(k)
         trans = np.empty(k)
         last = np.empty(k)
@@ -238,6 +238,68 @@ class MemoryAccounting:
             tmax = np.array([trans[i : i + w].max() for i in range(k - w + 1)])
             peak = max(peak, float((win + tmax).max()))
         return self.state_bytes(layout) + peak
+
+    def _tied_bytes(self, layout: Layout) -> float:
+        """Tied embeddings in one stage: the output layer's weight gradient waits for the
+        embedding's (autograd sums the two before accumulating), [V/tp, h] through the
+        layers' backward; with pp > 1 the last stage's output weight is a parameter of its own."""
+        m = self.model
+        return m.vocab_size / layout.tp * m.hidden_size * m.activation_bytes \
+            if (layout.pp == 1 and not m.untie_embeddings_and_output_weights) else 0.0
+
+    # ------------------------------------------------------------------ quadratic memory
+    # Where activations grow with the square of document lengths (the CPU attention keeps its
+    # probabilities: `pair` > 0; never on GPUs) a token count does not say whether a
+    # micro-batch fits: the planners then check its padded documents with the methods below,
+    # the same arithmetic as replica_peak_bytes, which the simulator's memory check runs.
+    def quadratic(self, layout: Layout) -> bool:
+        """Whether this layout's activation memory has a term quadratic in document lengths."""
+        return self._act_terms(Layout(*layout))["pair"] > 0
+
+    def padded_lengths(self, layout: Layout, lengths: Sequence[int]) -> list[int]:
+        """A micro-batch's document lengths as the runtime pads them under `layout` (the
+        engine's padding_for, dcp_ext.data.thd's rule): each document to a multiple of 2*cp
+        with context parallelism, the pack's total to a multiple of tp*cp with sequence
+        parallelism, that extra on the last document."""
+        lay = Layout(*layout)
+        each = 2 * lay.cp if lay.cp > 1 else 1
+        total = lay.tp * lay.cp if (lay.tp > 1 and self.model.sequence_parallel) else 1
+        out = [round_up(int(n), each) for n in lengths]
+        if out:
+            whole = sum(out)
+            out[-1] += round_up(whole, math.lcm(each, total)) - whole
+        return out
+
+    def micro_batch_bytes(self, layout: Layout, rs: int, lengths: Sequence[int]) -> tuple[float, float, float]:
+        """(kept while in flight, transient, peak alone on the last stage) activation bytes of
+        one micro-batch of these padded document lengths on one device: the terms
+        replica_peak_bytes combines, for one micro-batch of sum(lengths) tokens."""
+        layout = Layout(*layout)
+        t = float(sum(lengths))
+        kp, tr, lg = self.act_bytes_per_token(layout, rs, lengths)
+        return kp * t, tr * t, kp * t + max((tr + lg) * t, tr * t + self._tied_bytes(layout))
+
+    def fits_in_flight(self, layout: Layout, rs: int, lengths: Sequence[int], in_flight: int = 1) -> bool:
+        """Whether a micro-batch of these padded lengths fits beside the model state alone and,
+        for in_flight > 1, with in_flight - 1 like it held (1F1B's window): max_tokens'
+        question asked of documents instead of tokens."""
+        keep, trans, alone = self.micro_batch_bytes(layout, rs, lengths)
+        free = self.capacity_bytes - self.state_bytes(Layout(*layout))
+        return alone <= free and (in_flight <= 1 or in_flight * keep + trans <= free)
+
+    def max_doc_length(self, layout: Layout, rs: int, in_flight: int = 1) -> int:
+        """Longest document (real length, padded as the runtime pads it alone) that
+        fits_in_flight at `rs`; 0 if none. The fit is monotone in the length, so bisection on
+        1 .. max_tokens (which bounds it: the token terms alone already have to fit)."""
+        layout = Layout(*layout)
+        lo, hi = 0, int(self.max_tokens(layout, rs, in_flight))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits_in_flight(layout, rs, self.padded_lengths(layout, [mid]), in_flight):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def max_tokens(self, layout: Layout, rs: int, in_flight: int = 1) -> float:
         """Largest micro-batch (tokens) that fits with `in_flight` equal micro-batches held

@@ -167,13 +167,20 @@ def micro_batch_order_time(cm: CostModel, layout: Layout, mbs: Sequence[tuple[fl
 
 def simulate_replica(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, int], num_replicas: int) -> ReplicaResult:
     layout = Layout(rep.tp, rep.cp, rep.pp)
+    # memory: each micro-batch's documents as the runtime pads them. Where memory is quadratic
+    # in their lengths (the CPU) the padded micro-batch is what is checked, tokens included;
+    # elsewhere the lengths change nothing and the tokens stay the real ones (as GPU plans
+    # have always been checked)
+    quadratic = cm.quadratic(layout)
     mbs = []
-    tokens, rss = [], []
+    tokens, rss, lengths = [], [], []
     for mb in rep.micro_batches:
         s = np.fromiter((length_of[i] for i in mb.sample_ids), dtype=float, count=len(mb.sample_ids))
         rs = cm.stage_recompute(layout, mb.recompute_layers)
         mbs.append((float(np.dot(s, s)), float(s.sum()), len(s), rs))
-        tokens.append(float(s.sum()))
+        padded = cm.padded_lengths(layout, [length_of[i] for i in mb.sample_ids])
+        tokens.append(float(sum(padded)) if quadratic else float(s.sum()))
+        lengths.append(padded)
         rss.append(rs)
     pipe, fwd, bwd = micro_batch_order_time(cm, layout, mbs)
     return ReplicaResult(
@@ -181,7 +188,7 @@ def simulate_replica(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, in
         ranks=list(rep.ranks),
         sync_s=cm.sync_time(layout, num_replicas),
         pipeline_s=pipe,
-        peak_bytes=cm.replica_peak_bytes(layout, tokens, rss),
+        peak_bytes=cm.replica_peak_bytes(layout, tokens, rss, mb_lengths=lengths),
         mb_stage_s=[f + b for f, b in zip(fwd, bwd)],
     )
 

@@ -21,6 +21,10 @@ Per iteration:
      keep the best (within 0.2%, the one with more, smaller replicas); the layout changes
      only when the gain beats the switching cost plus a margin.
 
+On CPU ranks memory is quadratic in document lengths (the attention keeps its
+probabilities): there every "fits" above is the check of the micro-batch's padded
+documents (`dcp_ext.planning.planners.doc_memory`), token caps are only upper bounds.
+
 State: the current layout (for the switching rule) is the only state; calling with an
 index that does not follow the previous one forgets it. Same calls, same plans.
 
@@ -371,7 +375,9 @@ class AdaptivePlanner(PlannerBase):
         constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
         scaled times then mean equal finish times with sync), and micro-batches are capped
         at the no-recompute token cap (a batch with a document longer than every cap is
-        left to the Python engine)."""
+        left to the Python engine). Nor does it know quadratic memory: there a replica takes
+        documents up to the longest that fits without recompute, finish_replica raises the
+        recompute its packed micro-batches need, and a plan memory cannot hold is no plan."""
         import dcp_ext.assign as A
 
         placement = self.placements[counts]
@@ -383,14 +389,18 @@ class AdaptivePlanner(PlannerBase):
             sync = prep.sync(lay, R)
             k = t_est / max(t_est - sync, 1e-9 * t_est)
             cap = int(tt.cap_mb)
-            if cap < 1:
+            longest = min(cap, int(tt.doc_caps[0])) if tt.quadratic else cap
+            if cap < 1 or longest < 1:
                 return None
-            rcs.append(A.ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, cap, cap))
+            rcs.append(A.ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, longest, cap))
         if prep.n and int(prep.s.max()) > max(r.max_seq_len for r in rcs):
             return None
         res = A.plan_replicas(prep.s, rcs, seed=self.seed)
         out = []
         for k, (lay, ranks) in enumerate(placement):
             mbs = [([int(d) for d in mb], 0) for mb in res.micro_batches[k] if len(mb)]
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
+            try:
+                out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
+            except PlanningError:
+                return None
         return out

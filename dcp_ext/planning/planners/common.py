@@ -17,6 +17,7 @@ import numpy as np
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
+from dcp_ext.planning.planners.doc_memory import BinCheck, bin_check, doc_caps, fits_alone, level_bytes
 from dcp_ext.planning.simulator import one_f_one_b
 
 
@@ -39,6 +40,11 @@ class TypeTable:
     sync_lb: float  # receive-side sync (lower bound)
     caps_window: list[float] = field(default_factory=list)  # per allowed_rs, pp equal ones in flight
     mb_full: float = math.inf  # stage seconds of a micro-batch of cap_mb tokens (no recompute)
+    # layouts whose memory is quadratic in document lengths (CPU attention): the longest
+    # document per allowed rs, alone and (pipelines) with pp like it in flight; exact, where
+    # the token caps above are only upper bounds
+    doc_caps_alone: list[int] | None = None
+    doc_caps_window: list[int] | None = None
     _act: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def act_per_token(self, cm: CostModel) -> np.ndarray:
@@ -54,18 +60,32 @@ class TypeTable:
         return self.caps_window if self.pp > 1 else self.caps_alone
 
     @property
+    def quadratic(self) -> bool:
+        return self.doc_caps_alone is not None
+
+    @property
+    def doc_caps(self) -> list[float]:
+        """Longest document a planner gives each allowed rs: the plan caps, or on quadratic
+        layouts the exact per-document ones (alone; pipelines: pp like it in flight)."""
+        if self.doc_caps_alone is None:
+            return self.plan_caps
+        return self.doc_caps_window if self.pp > 1 else self.doc_caps_alone
+
+    @property
     def max_doc(self) -> float:
-        caps = self.plan_caps
+        caps = self.doc_caps
         return caps[-1] if caps else 0.0
 
     def rs_for(self, tokens: float) -> int | None:
-        """Fewest recomputed layers per stage that hold `tokens` alone."""
-        i = bisect.bisect_left(self.caps_alone, tokens)
+        """Fewest recomputed layers per stage that hold `tokens` alone (quadratic layouts:
+        one document of that length)."""
+        caps = self.caps_alone if self.doc_caps_alone is None else self.doc_caps_alone
+        i = bisect.bisect_left(caps, tokens)
         return self.allowed_rs[i] if i < len(self.allowed_rs) else None
 
     def rs_planned(self, tokens: float) -> int | None:
-        """Recompute a planner gives a micro-batch of `tokens` (see plan_caps)."""
-        i = bisect.bisect_left(self.plan_caps, tokens)
+        """Recompute a planner gives a document of `tokens` alone (see doc_caps)."""
+        i = bisect.bisect_left(self.doc_caps, tokens)
         return self.allowed_rs[i] if i < len(self.allowed_rs) else None
 
 
@@ -86,7 +106,12 @@ def make_type_table(cm: CostModel, layout: Layout, recompute: str = "any") -> Ty
     win = list(np.maximum.accumulate([cm.max_tokens(layout, rs, layout.pp) for rs in rs_ok])) if layout.pp > 1 else []
     co = cm.coeffs(layout, 0)
     mb_full = co.c0 + co.b * cap_mb + co.c if cap_mb > 0 else math.inf
-    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None), win, mb_full)
+    docs = {}
+    if cm.quadratic(layout):
+        docs = dict(doc_caps_alone=doc_caps(cm, layout, rs_ok, 1),
+                    doc_caps_window=doc_caps(cm, layout, rs_ok, layout.pp) if layout.pp > 1 else [])
+    return TypeTable(layout, layout.size, layout.pp, Ls, rs_ok, caps, cap_mb, cm.sync_time(layout, None), win, mb_full,
+                     **docs)
 
 
 @dataclass
@@ -103,7 +128,7 @@ def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
     cost = np.full(n, np.inf)
     alone = np.full(n, np.inf)
     rs_arr = np.full(n, -1, dtype=np.int64)
-    idx = np.searchsorted(np.asarray(tt.plan_caps), s, side="left")
+    idx = np.searchsorted(np.asarray(tt.doc_caps), s, side="left")
     sf = s.astype(float)
     for k in np.unique(idx):
         if k >= len(tt.allowed_rs):
@@ -208,21 +233,26 @@ class PackedReplica:
     peak_bytes: float = 0.0
 
 
-def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float) -> list[list[int]]:
-    """Bins of total size <= cap (a larger item gets a bin of its own)."""
+def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float,
+                         check: BinCheck | None = None) -> list[list[int]]:
+    """Bins of total size <= cap (a larger item gets a bin of its own); with `check`, only
+    bins it accepts (a memory check of the bin's documents, see doc_memory.BinCheck)."""
     order = sorted(docs, key=lambda d: -sizes[d])
     bins: list[list[int]] = []
     room: list[float] = []
     for d in order:
         x = sizes[d]
         for i, r in enumerate(room):
-            if x <= r:
+            if x <= r and (check is None or check.fits(i, bins[i] + [d])):
                 bins[i].append(d)
                 room[i] = r - x
                 break
         else:
+            i = len(bins)
             bins.append([d])
             room.append(cap - x)
+        if check is not None:
+            check.put(i, bins[i])
     return bins
 
 
@@ -241,12 +271,16 @@ def pack_replica(
     a longer document runs alone with the least recompute that holds it.
     pp > 1: as many micro-batches as balance bubble against per-micro-batch constant
     (or `target_mbs`), filled longest-processing-time first so their costs match.
+    Quadratic layouts (CPU attention): "fits without recompute" is the exact check of the
+    document, and every micro-batch must also pass the exact check of its documents.
     """
     if not docs:
         return []
     cap = tt.cap_mb
-    long_docs = [d for d in docs if s[d] > cap]
-    short = [d for d in docs if s[d] <= cap]
+    solo = tt.doc_caps[0] if tt.quadratic else cap  # longest document packed without recompute
+    long_docs = [d for d in docs if s[d] > solo]
+    short = [d for d in docs if s[d] <= solo]
+    check = bin_check(cm, tt.layout, s, 0, tt.allowed_rs[-1], [[d] for d in long_docs])
     mbs: list[tuple[list[int], int]] = []
     for d in long_docs:
         rs = tt.rs_planned(float(s[d]))
@@ -255,7 +289,7 @@ def pack_replica(
         mbs.append(([d], rs))
     if short:
         if tt.pp == 1:
-            for b in first_fit_decreasing(short, s, cap):
+            for b in first_fit_decreasing(short, s, cap, check):
                 mbs.append((b, 0))
         else:
             co = cm.coeffs(tt.layout, 0)
@@ -272,15 +306,21 @@ def pack_replica(
             for d in sorted(short, key=lambda d: -s[d]):
                 x = float(s[d])
                 c = cost[d] if cost is not None else co.b * x + co.a * x * x
+
+                def takes(entry) -> bool:
+                    return entry[2] + x <= cap and (check is None or check.fits(entry[1], bins[entry[1]] + [d]))
+
                 aside = []
-                while heap and heap[0][2] + x > cap and len(aside) < 8:
+                while heap and not takes(heap[0]) and len(aside) < 8:
                     aside.append(heapq.heappop(heap))
-                if heap and heap[0][2] + x <= cap:
+                if heap and takes(heap[0]):
                     load, i, tok = heapq.heappop(heap)
                 else:
                     bins.append([])
                     load, i, tok = 0.0, len(bins) - 1, 0.0
                 bins[i].append(d)
+                if check is not None:
+                    check.put(i, bins[i])
                 heapq.heappush(heap, (load + c, i, tok + x))
                 for item in aside:
                     heapq.heappush(heap, item)
@@ -298,16 +338,21 @@ def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list
     lay = tt.layout
     free = cm.capacity_bytes - cm.state_bytes(lay)
     levels = tt.allowed_rs
-    per = tt.act_per_token(cm)  # [level, (keep, trans, logits)]
     pos_of = {rs: i for i, rs in enumerate(levels)}
     tokens = np.array([float(s[d].sum()) if len(d) > 1 else float(s[d[0]]) for d, _ in mbs])
+    # bytes of every micro-batch at every level [micro-batch, level]: kept, transient, alone
+    if tt.quadratic:
+        K, TR, LA = level_bytes(cm, lay, levels, s, mbs)
+    else:
+        per = tt.act_per_token(cm)  # [level, (keep, trans, logits)] per token
+        K, TR = tokens[:, None] * per[None, :, 0], tokens[:, None] * per[None, :, 1]
+        LA = K + TR + tokens[:, None] * per[None, :, 2]
     lvl = np.array([pos_of.get(rs, 0) for _, rs in mbs])
     m, w = len(mbs), min(tt.pp, len(mbs))
+    rows = np.arange(m)
     top = len(levels) - 1
     for _ in range(m * len(levels) + 1):
-        keep = per[lvl, 0] * tokens
-        trans = per[lvl, 1] * tokens
-        last = keep + trans + per[lvl, 2] * tokens
+        keep, trans, last = K[rows, lvl], TR[rows, lvl], LA[rows, lvl]
         over_last = last - free
         if w > 1:
             cs = np.concatenate([[0.0], np.cumsum(keep)])
@@ -350,8 +395,11 @@ def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray
             stats.append((float(sum(x * x for x in v)), float(sum(v)), len(v)))
     if tt.pp == 1:
         # packing kept every micro-batch within the cap of its recompute level
-        ok = all(t <= tt.caps_alone[tt.allowed_rs.index(rs)] * (1 + 1e-12) if rs in tt.allowed_rs else False
-                 for (_, rs), (_, t, _) in zip(mbs, stats))
+        if tt.quadratic:
+            ok = fits_alone(cm, lay, sl, mbs)
+        else:
+            ok = all(t <= tt.caps_alone[tt.allowed_rs.index(rs)] * (1 + 1e-12) if rs in tt.allowed_rs else False
+                     for (_, rs), (_, t, _) in zip(mbs, stats))
         if not ok:
             mbs, _ = fit_memory(cm, tt, np.asarray(s), mbs)
         pipe = 0.0

@@ -22,6 +22,10 @@ a bucket; every group accumulates over as many micro-batches as its share needs.
 
 Both choose their fixed settings (tp, pp, recompute none/full, max_seq_len_per_rank) by
 the same cost-model search on histogram batches as `static`.
+
+Where memory is quadratic in document lengths (CPU attention) tokens per rank do not say
+what fits: a sequence's cp is also at least the least one that holds it (`cp_needed`),
+and micro-batches are packed within memory by their documents.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from dcp_ext.planning.planners.common import (
     sample_batches,
     to_iteration_plan,
 )
+from dcp_ext.planning.planners.doc_memory import bin_check
 
 
 class _CPPoolPlanner(PlannerBase):
@@ -55,6 +60,7 @@ class _CPPoolPlanner(PlannerBase):
                  setting: tuple[int, ...] | None = None):
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self._tables: dict[Layout, object] = {}
+        self._doc_caps: dict[tuple[int, int, int, int], int] = {}
         if setting is not None and len(setting) == 3:
             setting = (*setting, int(self._per_rank(*setting)))
         cands = self._settings() if setting is None else [tuple(setting)]
@@ -122,7 +128,7 @@ class _CPPoolPlanner(PlannerBase):
                     per = int(mem / 2**k)
                     if per < 1024 and k > 0:
                         break
-                    need = next_pow2(math.ceil(self.max_seq_len / per))
+                    need = self._cp_for(lay.tp, lay.pp, rs, per, self.max_seq_len, n // lay.size)
                     if need * lay.size <= n:
                         out.append((lay.tp, lay.pp, rs, per))
         return out
@@ -135,7 +141,22 @@ class _CPPoolPlanner(PlannerBase):
         return t
 
     def cp_needed(self, s: float) -> int:
-        return next_pow2(math.ceil(s / self.per_rank))
+        return self._cp_for(self.tp, self.pp, self.rs, self.per_rank, s, self.pool_size)
+
+    def _cp_for(self, tp: int, pp: int, rs: int, per_rank: float, s: float, ranks: int) -> int:
+        """Upstream's rule, next power of two of ceil(s / per_rank); on quadratic layouts
+        raised to the least cp (up to `ranks`, else twice that) whose replica holds the
+        document alone at rs, pp like it in flight."""
+        cp = next_pow2(math.ceil(s / per_rank))
+        while self.cm.quadratic(Layout(tp, cp, pp)) and cp <= ranks and s > self._doc_cap(tp, cp, pp, rs):
+            cp *= 2
+        return cp
+
+    def _doc_cap(self, tp: int, cp: int, pp: int, rs: int) -> int:
+        key = (tp, cp, pp, rs)
+        if key not in self._doc_caps:
+            self._doc_caps[key] = self.cm.max_doc_length(Layout(tp, cp, pp), rs, pp)
+        return self._doc_caps[key]
 
     # ------------------------------------------------------------------ per iteration
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
@@ -154,7 +175,8 @@ class _CPPoolPlanner(PlannerBase):
             lay = Layout(self.tp, cp, self.pp)
             tt = self.table(lay)
             cap = cp * self.per_rank
-            mbs = [(b, self.rs) for b in first_fit_decreasing(docs, s, cap)] if docs else []
+            check = bin_check(self.cm, lay, s, self.rs, tt.allowed_rs[-1])
+            mbs = [(b, self.rs) for b in first_fit_decreasing(docs, s, cap, check)] if docs else []
             ranks = list(range(start, start + cp * unit))
             start += cp * unit
             reps.append(finish_replica(self.cm, tt, ranks, s, mbs, R))

@@ -8,7 +8,8 @@ packed first-fit-decreasing into packs of at most max_seq_len tokens (Megatron's
 packs are dealt round-robin to the data-parallel replicas, so every replica runs the
 same number of micro-batches (one more for some when the count does not divide). The
 recompute is the least that lets a full pack (and, with pipelines, pp of them in flight)
-fit.
+fit. Where memory is quadratic in document lengths (CPU attention) "a full pack" is a
+document of max_seq_len tokens, and packs are also kept within memory (see `_packs`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dcp_ext.planning.planners.common import (
     sample_batches,
     to_iteration_plan,
 )
+from dcp_ext.planning.planners.doc_memory import bin_check
 from dcp_ext.planning.simulator import one_f_one_b
 
 
@@ -41,8 +43,11 @@ class StaticPlanner(PlannerBase):
         if layout is not None:
             lay = Layout(*layout)
             rs = self._min_rs(lay) if recompute_layers is None else self.cm.stage_recompute(lay, recompute_layers)
+            if rs is not None and self.cm.quadratic(lay) and not self._holds(lay, rs):
+                rs = None
             if rs is None:
-                raise PlanningError(f"{lay} cannot hold a pack of {self.max_seq_len} tokens")
+                raise PlanningError(f"{lay} cannot hold a pack of {self.max_seq_len} tokens"
+                                    + (" at that recompute" if recompute_layers is not None else ""))
             cands = [(lay, rs)]
         if not cands:
             raise PlanningError(
@@ -55,7 +60,8 @@ class StaticPlanner(PlannerBase):
             batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
             packed = [self._packs(np.asarray(b)) for b in batches]
             for lay, rs in cands:
-                t = float(np.mean([self._time(lay, rs, np.asarray(b), pk)[0] for b, pk in zip(batches, packed)]))
+                packs = [self._packs(np.asarray(b), lay, rs) for b in batches] if self.cm.quadratic(lay) else packed
+                t = float(np.mean([self._time(lay, rs, np.asarray(b), pk)[0] for b, pk in zip(batches, packs)]))
                 self.search.append((t, lay, rs))
             self.search.sort(key=lambda x: (x[0], x[1].size))
             _, self.layout, self.rs = self.search[0]
@@ -69,9 +75,14 @@ class StaticPlanner(PlannerBase):
     def _min_rs(self, lay: Layout) -> int | None:
         inflight = lay.pp
         for rs in range(self.cm.layers_per_stage(lay) + 1):
-            if self.cm.max_tokens(lay, rs, inflight) >= self.max_seq_len:
+            if self.cm.max_tokens(lay, rs, inflight) >= self.max_seq_len and (
+                    not self.cm.quadratic(lay) or self._holds(lay, rs)):
                 return rs
         return None
+
+    def _holds(self, lay: Layout, rs: int) -> bool:
+        """Quadratic memory: a max_seq_len document fits at rs, pp of them in flight."""
+        return self.cm.max_doc_length(lay, rs, lay.pp) >= self.max_seq_len
 
     def _candidates(self) -> list[tuple[Layout, int]]:
         out = []
@@ -81,9 +92,13 @@ class StaticPlanner(PlannerBase):
                 out.append((lay, rs))
         return out
 
-    def _packs(self, s: np.ndarray) -> list[list[int]]:
-        packs = first_fit_decreasing(range(len(s)), s, self.max_seq_len)
-        return packs
+    def _packs(self, s: np.ndarray, lay: Layout | None = None, rs: int = 0) -> list[list[int]]:
+        """Packs of at most max_seq_len tokens, first-fit-decreasing. On a quadratic layout
+        (`lay`) also by their documents' memory at `rs`, that level throughout (BinCheck with
+        top = rs): then every 1F1B window of packs fits as it is. A document alone always
+        fits: `_holds` made pp of a max_seq_len one fit in flight."""
+        check = bin_check(self.cm, lay, s, rs, rs) if lay is not None else None
+        return first_fit_decreasing(range(len(s)), s, self.max_seq_len, check)
 
     def _deal(self, packs: list[list[int]], d: int) -> list[list[list[int]]]:
         per: list[list[list[int]]] = [[] for _ in range(d)]
@@ -114,11 +129,12 @@ class StaticPlanner(PlannerBase):
         s = self._check_input(sample_ids, lengths)
         if len(s) and s.max() > self.max_seq_len:
             raise PlanningError(f"a sequence of {int(s.max())} tokens is longer than the pack length {self.max_seq_len}")
-        packs = self._packs(s)
+        packs = self._packs(s, self.layout, self.rs)
         _, reps = self._time(self.layout, self.rs, s, packs)
         out = []
         for (lay, ranks), (mbs, pipe, sync) in zip(self.replicas, reps):
-            tokens = [float(s[p].sum()) for p in mbs]
-            peak = self.cm.replica_peak_bytes(lay, tokens, [self.rs] * len(mbs))
+            lengths = [self.cm.padded_lengths(lay, s[p].tolist()) for p in mbs]
+            tokens = [float(sum(x)) if self.cm.quadratic(lay) else float(s[p].sum()) for x, p in zip(lengths, mbs)]
+            peak = self.cm.replica_peak_bytes(lay, tokens, [self.rs] * len(mbs), mb_lengths=lengths)
             out.append(PackedReplica(lay, ranks, [(p, self.rs) for p in mbs], pipe + sync, pipe, sync, peak))
         return to_iteration_plan(index, sample_ids, out, self.cm)
