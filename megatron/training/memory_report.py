@@ -18,7 +18,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from dcp_ext.runtime.device_memory import PeakMemory
+from dcp_ext.runtime.device_memory import PeakMemory, return_freed_memory
 
 MiB = 2**20
 LINE_PREFIX = "> peak device memory per rank"
@@ -34,8 +34,13 @@ def this_device() -> torch.device:
 
 
 def start_memory_report(args=None) -> PeakMemory:
-    """Call on every rank before the model/engine is built: the peak counts from here."""
-    return PeakMemory(this_device())
+    """Call on every rank before the model/engine is built: the peak counts from here. A CPU
+    run under a budget returns freed memory to the OS from here on (`return_freed_memory`),
+    so the budget is held by what the tensors need, not by malloc's cache."""
+    device = this_device()
+    if device.type == "cpu" and args is not None and budget_bytes(args) is not None:
+        return_freed_memory()
+    return PeakMemory(device)
 
 
 def budget_bytes(args) -> tuple[int, str] | None:

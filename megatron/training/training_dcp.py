@@ -98,10 +98,18 @@ def layout_change_line(iteration: int, before, it, lengths_of: dict, planner) ->
         if where:
             break
     tables = getattr(planner, "tables", {})
-    too_small = sorted({f"{r.replica_type.label()} holds at most {int(tables[r.replica_type.layout].max_doc)}"
-                        for r in old_it.replicas if r.replica_type.layout in tables
-                        and tables[r.replica_type.layout].max_doc < longest})
-    why = ("; ".join(too_small) + " alone") if too_small else "the planner priced it faster for this batch"
+    reasons = []
+    for rep in {r.replica_type.layout: r for r in old_it.replicas}.values():
+        table = tables.get(rep.replica_type.layout)
+        if table is None:
+            continue
+        rs = table.rs_planned(longest)
+        if rs is None:
+            reasons.append(f"{rep.replica_type.label()} cannot hold it (at most {int(table.max_doc)} tokens)")
+        elif rs > 0:
+            reasons.append(f"{rep.replica_type.label()} would recompute {rs * rep.pp}/{planner.model.num_layers} layers")
+    why = "; ".join(reasons) if reasons else f"{layout_label(old_it)} holds it without recompute: {layout_label(it)} " \
+                                             "was priced faster for this batch"
     return (f"> layout change at iteration {iteration}: {layout_label(old_it)} -> {layout_label(it)} | longest "
             f"document {longest} tokens (before: {old_longest}){where} | {why}")
 
