@@ -14,7 +14,7 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 pytestmark = pytest.mark.dist
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cpu_demo.yaml")
+from tests.conftest import DEMO
 
 
 def scalars(logdir: str) -> dict:
