@@ -1,7 +1,7 @@
 """The cost model's error per iteration on the CPU demo, --dcp-recalibration on vs off, side by side.
 
-Trains the demo (examples/cpu_demo.yaml with --dcp: documents up to 2048 tokens, 8192-token
-global batches, --dcp-device-memory 256MB; no --dcp-cost-profile, so the planner starts from
+Trains the demo as `make demo` does (examples/cpu_demo.yaml with --dcp: documents up to 2048
+tokens, 4096-token global batches, --dcp-device-memory 256MB; no --dcp-cost-profile, so the planner starts from
 the analytic cost model) twice on 4 gloo ranks, once with online recalibration of the cost
 model and once without, and reads each iteration's `predicted/measured (ms): P/M` field from
 the log line. The error of an iteration is |P - M| / M. Printed: the median and mean error
@@ -33,9 +33,7 @@ from bench_real_win import REPO, RESULTS, BenchError, OneLineParser, launch, req
 from machine import describe  # noqa: E402
 
 DEMO = os.path.join(REPO, "examples", "cpu_demo.yaml")
-DEMO_FLAGS = ["--yaml-cfg", DEMO, "--dcp", "--dcp-max-seq-len", "2048", "--max-position-embeddings", "2048",
-              "--dcp-global-batch-tokens", "8192", "--dcp-device-memory", "256MB", "--lr-decay-iters", "60",
-              "--log-interval", "1", "--eval-iters", "0"]
+DEMO_FLAGS = ["--yaml-cfg", DEMO, "--dcp", "--lr-decay-iters", "60", "--log-interval", "1", "--eval-iters", "0"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?predicted/measured \(ms\): ([\d.]+)/([\d.]+) \|")
 WINDOW = 10
 MEDIAN_FROM, MEDIAN_TO = 21, 40
@@ -73,7 +71,7 @@ def pct(x: float | None) -> str:
 def report(errs: dict[str, dict[int, dict]], source: str, iters: int) -> dict:
     last = max([iters] + [max(e) for e in errs.values() if e])
     print(f"Cost-model error |predicted - measured| / measured per iteration, CPU demo (--dcp, documents up to "
-          f"2048 tokens, 8192-token batches, budget 256MB, no cost profile), --dcp-recalibration on vs off")
+          f"2048 tokens, 4096-token batches, budget 256MB, no cost profile), --dcp-recalibration on vs off")
     print(f"machine: {describe()}; {source}")
     print(f"{'iterations':>11s} {'on: median':>11s} {'mean':>7s} {'off: median':>12s} {'mean':>7s}")
     table = {name: windows(e, last) for name, e in errs.items()}
