@@ -18,6 +18,13 @@ CLUSTER = ClusterSpec.cpu_gloo(4)
 TRUE_K = (1.6, 0.7, 2.2, 1.0)  # this "machine": c0, attention, per token, per document vs the analytic prior
 
 
+def calibrated_model():
+    """A cost model with an (empty) online calibration: (cost model, calibration)."""
+    cm, cal = CostModel(MODEL, CLUSTER), Calibration()
+    cm.calibration = cal
+    return cm, cal
+
+
 def true_stage_seconds(cm, lay, rs, lengths, k=TRUE_K):
     co = cm.prior_coeffs(lay, rs)
     s = np.asarray(lengths, dtype=float)
@@ -68,9 +75,7 @@ def test_ridge_nnls_matches_least_squares_of_the_augmented_system():
 
 def test_fit_recovers_the_machine_and_prices_held_out_micro_batches():
     rng = np.random.default_rng(1)
-    cm = CostModel(MODEL, CLUSTER)
-    cal = Calibration()
-    cm.calibration = cal
+    cm, cal = calibrated_model()
     lay = Layout(1, 1, 1)
     held_out = micro_batches(np.random.default_rng(99), 40)
     before = np.median([rel_err(cm, lay, d) for d in held_out])
@@ -112,9 +117,7 @@ def test_outliers_do_not_move_the_fit():
 
 def test_the_window_follows_a_machine_that_slows_down():
     rng = np.random.default_rng(3)
-    cm = CostModel(MODEL, CLUSTER)
-    cal = Calibration()
-    cm.calibration = cal
+    cm, cal = calibrated_model()
     lay = Layout(1, 1, 1)
     feed(cal, cm, [lay], 48, rng)
     slower = tuple(2 * x for x in TRUE_K)  # a shared cluster's speed drifts: everything twice as slow
@@ -125,9 +128,7 @@ def test_the_window_follows_a_machine_that_slows_down():
 
 def test_an_unseen_layout_takes_the_pooled_correction():
     rng = np.random.default_rng(4)
-    cm = CostModel(MODEL, CLUSTER)
-    cal = Calibration()
-    cm.calibration = cal
+    cm, cal = calibrated_model()
     seen, unseen = Layout(1, 1, 1), Layout(1, 2, 1)
     feed(cal, cm, [seen], 48, rng)
     assert cal.corrections(unseen, 0) == cal.corrections(seen, 0) or \
@@ -140,9 +141,7 @@ def test_an_unseen_layout_takes_the_pooled_correction():
 
 
 def test_sync_and_time_outside_replicas():
-    cm = CostModel(MODEL, CLUSTER)
-    cal = Calibration()
-    cm.calibration = cal
+    cm, cal = calibrated_model()
     lay = Layout(1, 1, 1)
     prior = cm.prior_sync_time(lay, 4)
     for i in range(9):
@@ -154,15 +153,11 @@ def test_sync_and_time_outside_replicas():
 
 def test_state_round_trips_through_json_to_the_same_bits():
     rng = np.random.default_rng(8)
-    cm = CostModel(MODEL, CLUSTER)
-    cal = Calibration()
-    cm.calibration = cal
+    cm, cal = calibrated_model()
     feed(cal, cm, [Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1)], 60, rng)
     cal.add(Observation(60, [sample(cm, Layout(1, 1, 1), 0, [300, 512], 0.0, rng)], [], 0.01))  # queued
     state = json.loads(json.dumps(cal.state_dict()))
-    cm2 = CostModel(MODEL, CLUSTER)
-    cal2 = Calibration()
-    cm2.calibration = cal2
+    cm2, cal2 = calibrated_model()
     cal2.load_state_dict(state, cm2)
     for lay in (Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1), Layout(4, 1, 1)):
         assert cm2.coeffs(lay, 0) == cm.coeffs(lay, 0)
@@ -185,9 +180,7 @@ def test_the_fit_does_not_depend_on_numpy_threads_or_order_of_layout_keys():
         obs.append(Observation(i, [sample(cm, lay, 0, docs, 0.05, rng)], [], 0.02))
     fits = []
     for _ in range(2):
-        c = CostModel(MODEL, CLUSTER)
-        cal = Calibration()
-        c.calibration = cal
+        c, cal = calibrated_model()
         for o in obs:
             cal.add(o)
         cal.apply(c)
