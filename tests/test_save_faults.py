@@ -86,7 +86,7 @@ def _engine(args):
 class _Planner:
     state = None
 
-    def load_state_dict(self, state):
+    def load_planning_state(self, state):
         self.state = state
 
 
