@@ -19,12 +19,10 @@ import threading
 
 import torch
 
-_STATUS = "/proc/self/status"
-
-
-def _status_kib(field: str) -> int | None:
+def _status_kib(field: str, pid: int | str = "self") -> int | None:
+    """A /proc/<pid>/status field in KiB (None where it cannot be read)."""
     try:
-        with open(_STATUS) as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -86,10 +84,6 @@ class PeakMemory:
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return max(0, hwm * 1024 - self.baseline)
 
-    def stop(self) -> None:
-        if self.device.type != "cuda" and self.sampled:
-            self._stop.set()
-
     @property
     def what(self) -> str:
         if self.device.type == "cuda":
@@ -124,12 +118,5 @@ def return_freed_memory(mmap_threshold: int = 64 * 1024, trim_threshold: int = 1
 
 def peak_rss_bytes(pid: int | str = "self") -> int | None:
     """VmHWM of a process (benchmarks read it from outside the training processes)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
+    kib = _status_kib("VmHWM", pid)
+    return None if kib is None else kib * 1024
