@@ -48,10 +48,23 @@ class ReplicaType:
     cp: int
     pp: int
     ranks: tuple[int, ...]
+    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None = even split
 
     def __post_init__(self):
         if len(self.ranks) != self.tp * self.cp * self.pp:
             raise ValueError(f"replica {self}: {len(self.ranks)} ranks but tp*cp*pp = {self.tp * self.cp * self.pp}")
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
+            raise ValueError(f"replica {self}: {len(self.stage_layers)} stage_layers for pp={self.pp}")
+
+    def refactored(self, tp: int, cp: int) -> "ReplicaType":
+        """The same ranks and stages with each stage's tp*cp ranks re-factored as (tp, cp)."""
+        return ReplicaType(tp, cp, self.pp, self.ranks, self.stage_layers)
+
+    def stage_range(self, pp_rank: int, num_layers: int) -> tuple[int, int]:
+        """[first, end) global layers of pipeline stage `pp_rank`."""
+        counts = self.stage_layers or (num_layers // self.pp,) * self.pp
+        first = sum(counts[:pp_rank])
+        return first, first + counts[pp_rank]
 
     @property
     def layout(self) -> Layout:
@@ -79,4 +92,5 @@ class ReplicaType:
 
     def label(self) -> str:
         parts = [f"{name}{size}" for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if size > 1]
-        return "·".join(parts) or "tp1"
+        label = "·".join(parts) or "tp1"
+        return label + ("[" + "-".join(map(str, self.stage_layers)) + "]" if self.stage_layers else "")
