@@ -56,6 +56,11 @@ class ReplicaType:
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise ValueError(f"replica {self}: {len(self.stage_layers)} stage_layers for pp={self.pp}")
 
+    @staticmethod
+    def sort_key(r: "ReplicaType") -> tuple:
+        """One order of replica types every process agrees on."""
+        return (r.ranks, r.tp, r.cp, r.pp, r.stage_layers or ())
+
     def refactored(self, tp: int, cp: int) -> "ReplicaType":
         """The same ranks and stages with each stage's tp*cp ranks re-factored as (tp, cp)."""
         return ReplicaType(tp, cp, self.pp, self.ranks, self.stage_layers)

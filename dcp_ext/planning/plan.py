@@ -99,7 +99,7 @@ class IterationPlan:
 
     def layout_key(self) -> tuple[ReplicaType, ...]:
         """The iteration's replica types in a canonical order: equal keys, equal layouts."""
-        return tuple(sorted((r.replica_type for r in self.replicas), key=lambda t: (t.ranks, t.tp, t.cp, t.pp)))
+        return tuple(sorted((r.replica_type for r in self.replicas), key=ReplicaType.sort_key))
 
 
 @dataclass

@@ -20,6 +20,7 @@ Every tensor lives on the model's device (`device`): NCCL on GPUs, gloo on CPUs.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -38,6 +39,9 @@ from dcp_ext.runtime.param_map import CanonicalSpace, LocalParam, map_stage
 from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
 from dcp_ext.runtime.streams import PullStream, PushStream
+from dcp_ext.runtime.layer_switch import SwitchContext
+from dcp_ext.runtime.strategy_library import (AltStage, alternative_types, apply_stage_layers, split_by_layer,
+                                              stage_strategies, switch_needs)
 from dcp_ext.runtime.timing import LocalTimings, PhaseClock
 from dcp_ext.runtime.initial_values import INIT_CHUNK, init_values, seed_rng_tracker
 
@@ -103,12 +107,15 @@ class AdaptiveEngine:
         bucket_numel: int | None = None,
         grad_scaler=None,
         optimizer_options: OptimizerOptions | None = None,
+        layer_strategies: bool = False,
     ):
         """optimizer_options: every optimizer flag (--optimizer, betas, momentum, decoupled LR);
         without it, AdamW from lr/weight_decay/betas/eps/clip_grad.
         make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
         build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage.
-        device 'meta' builds every tensor without memory (scale checks)."""
+        device 'meta' builds every tensor without memory (scale checks).
+        layer_strategies: every stage can run its layers under any re-factoring of its
+        tp*cp ranks (plan contract v2); builds a decoder-only stage per alternative."""
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = torch.device(device) if device is not None else default_device()
@@ -116,10 +123,14 @@ class AdaptiveEngine:
         self.overlap = overlap
         self.grad_scaler = grad_scaler
         mcore_compat.ensure_global_memory_buffer()
-        self.registry = GroupRegistry(replica_types)
         self.make_config = make_config
-        # The canonical space: the full model, built on the meta device (no memory).
         full_config = make_config(1, 1, 1, False)
+        planned = sorted(set(replica_types), key=ReplicaType.sort_key)
+        alternatives = [a for rep in planned for a in alternative_types(
+            rep, full_config.num_attention_heads, full_config.num_query_groups or full_config.num_attention_heads)
+            ] if layer_strategies else []
+        self.registry = GroupRegistry(planned + alternatives)
+        # The canonical space: the full model, built on the meta device (no memory).
         self.num_layers = full_config.num_layers
         self.gated = bool(full_config.gated_linear_unit)
         self.param_dtype = full_config.params_dtype or torch.float32
@@ -135,10 +146,21 @@ class AdaptiveEngine:
         self.params = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.main_grads = torch.empty(0, dtype=torch.float32, device=self.device)
         self.stages: dict[ReplicaType, Stage] = {}
-        mine = [rep for rep in self.registry.replica_types if self.rank in rep.ranks]
+        mine = [rep for rep in planned if self.rank in rep.ranks]
         for rep in sorted(mine, key=lambda r: r.tp * r.pp):
             self.stages[rep] = self._build_stage(rep, sequence_parallel and rep.tp > 1, make_config, build_model)
         self._all_runs = self._gather_stage_runs()
+        self.sequence_parallel = sequence_parallel
+        self.alternatives: dict[ReplicaType, dict] = {}
+        if layer_strategies:
+            for rep in mine:
+                self.alternatives[rep] = {(a.tp, a.cp): self._build_alternative(rep, a, build_model)
+                                          for a in alternative_types(rep, full_config.num_attention_heads,
+                                                                     full_config.num_query_groups
+                                                                     or full_config.num_attention_heads)}
+                self.stages[rep].runner.switching = SwitchContext.for_stage(
+                    self.stages[rep], self.alternatives[rep], self.registry, self.rank, sequence_parallel)
+        self._alt_runs = self._gather_alternative_runs() if layer_strategies else {}
         # The fixed sharding.
         if optimizer_options is None:
             optimizer_options = OptimizerOptions(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
@@ -153,8 +175,13 @@ class AdaptiveEngine:
         self._push: PushStream | None = None
 
     # ------------------------------------------------------------------- building
+    def _config(self, rep: ReplicaType, sp: bool):
+        config = self.make_config(rep.tp, rep.cp, rep.pp, sp)
+        apply_stage_layers(config, rep.stage_layers)
+        return config
+
     def _build_stage(self, rep: ReplicaType, sp: bool, make_config, build_model) -> Stage:
-        config = make_config(rep.tp, rep.cp, rep.pp, sp)
+        config = self._config(rep, sp)
         tp_rank, _, pp_rank = rep.coords(self.rank)
         where = torch.device("meta") if self.device.type == "meta" else contextlib.nullcontext()
         with where:
@@ -169,10 +196,58 @@ class AdaptiveEngine:
             stage.runs.append((tuple(r.shifted(lp.offset) for r in lp.runs), lp.pushes_grad))
             stage.push_buckets.append(sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)})
                                       if lp.pushes_grad else [])
-            lp.param.register_post_accumulate_grad_hook(self._grad_hook(stage, len(stage.push_buckets) - 1))
+            lp.param.register_post_accumulate_grad_hook(self._grad_hook(lp, stage.push_buckets[-1]))
         for module, buckets in self._module_buckets(model, local):
             module.register_forward_pre_hook(self._pull_hook(max(buckets)))
         return stage
+
+    def _build_alternative(self, home: ReplicaType, rep: ReplicaType, build_model) -> AltStage:
+        """The decoder-only stage of `home`'s ranks re-factored as `rep`, holding no memory
+        until an iteration binds its layers."""
+        config = self._config(rep, self.sequence_parallel and rep.tp > 1)
+        tp_rank, _, pp_rank = rep.coords(self.rank)
+        where = torch.device("meta") if self.device.type == "meta" else contextlib.nullcontext()
+        with where:
+            model = build_model(config, False, False, self.registry.collection(rep))
+        first, end = rep.stage_range(pp_rank, self.num_layers)
+        local = map_stage(model, self.space, rep.tp, tp_rank, self.gated)
+        alt = AltStage((rep.tp, rep.cp), rep, model, split_by_layer(local, end - first))
+        for per_layer in alt.layers:
+            alt.buckets.append([])
+            for lp in per_layer:
+                alt.shapes[id(lp.param)] = lp.param.shape
+                buckets = sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)}
+                                 ) if lp.pushes_grad else []
+                alt.buckets[-1].append(buckets)
+                lp.param.register_post_accumulate_grad_hook(self._grad_hook(lp, buckets))
+        for module, buckets in self._module_buckets(model, local):
+            module.register_forward_pre_hook(self._pull_hook(max(buckets)))
+        alt.unbind(self.params)
+        return alt
+
+    def _gather_alternative_runs(self) -> dict:
+        """Every rank's alternative layers (runs relative to the layer, numel), once."""
+        mine = {(home, s): [([(tuple(r.shifted(lp.offset) for r in lp.runs), lp.pushes_grad) for lp in per_layer],
+                             alt.layer_numel(k)) for k, per_layer in enumerate(alt.layers)]
+                for home, alts in self.alternatives.items() for s, alt in alts.items()}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        return {(home, s, r): layers for r, per_rank in enumerate(everyone) for (home, s), layers in per_rank.items()}
+
+    def _bind_alternatives(self, stage: Stage, needs) -> tuple[int, list]:
+        """This iteration's alternative layers bound after the stage in the shared buffers:
+        (elements in use, the extra parameters' push buckets)."""
+        alts = self.alternatives.get(stage.rep, {})
+        for alt in alts.values():
+            alt.unbind(self.params)
+        end = stage.numel + sum(alts[s].layer_numel(k) for s, k in needs)
+        if end > self.params.numel():
+            self._grow_buffers(end)
+        offset, buckets = stage.numel, []
+        for s, k in needs:
+            offset = alts[s].bind(k, self.params, self.main_grads, offset)
+            buckets += alts[s].buckets[k]
+        return end, buckets
 
     def _grow_buffers(self, numel: int) -> None:
         self.params = torch.empty(numel, dtype=self.param_dtype, device=self.device)
@@ -312,11 +387,16 @@ class AdaptiveEngine:
     def my_replica(self, it: IterationPlan):
         return it.replica_of(self.rank)
 
-    def padding_for(self, rep: ReplicaType) -> tuple[int, int]:
-        """(pad_each_to, pad_total_to) a micro-batch needs under this replica type."""
+    def padding_for(self, rep: ReplicaType, replica=None) -> tuple[int, int]:
+        """(pad_each_to, pad_total_to) a micro-batch needs under this replica type (and,
+        given the replica's plan, under every layer strategy its micro-batches use)."""
         stage = self.stages[rep]
-        each = 2 * rep.cp if rep.cp > 1 else 1
-        total = rep.tp * rep.cp if stage.sequence_parallel else 1
+        strategies = {(rep.tp, rep.cp)} | {(s.tp, s.cp) for mb in (replica.micro_batches if replica else ())
+                                           for s in mb.layer_strategies or ()}
+        cp = math.lcm(*(c for _, c in strategies))
+        each = 2 * cp if cp > 1 else 1
+        sp = self.sequence_parallel and any(t > 1 for t, _ in strategies)
+        total = rep.tp * rep.cp if (stage.sequence_parallel or sp) else 1
         return each, total
 
     def train_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
@@ -328,51 +408,80 @@ class AdaptiveEngine:
         if loss_tokens == 0:
             raise NoTrainableTokens(f"iteration {it.index}: no token of the global batch is trained on")
         stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
-        return self._step(it, stage, self._localize(stage, plans, batches), loss_tokens)
+        return self._step(it, stage, self._localize(stage, plans, batches, self.my_replica(it)), loss_tokens)
 
     def eval_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
                        eod: int | None = None) -> tuple[float, float]:
         """Forward only under the plan's layout on a document dataset: (loss sum, loss tokens)."""
         stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
-        return self._evaluate(it, stage, self._localize(stage, plans, batches))
+        return self._evaluate(it, stage, self._localize(stage, plans, batches, self.my_replica(it)))
 
     def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
         """One training step on micro-batches packed by the caller (ThdBatch, plan order,
         padded per `padding_for`); `loss_tokens`: the global batch's loss-token count."""
         stage, plans = self._stage_of(it)
-        return self._step(it, stage, self._localize(stage, plans, batches), loss_tokens)
+        return self._step(it, stage, self._localize(stage, plans, batches, self.my_replica(it)), loss_tokens)
 
     def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
         """Forward only on micro-batches packed by the caller: (loss sum, loss tokens)."""
         stage, plans = self._stage_of(it)
-        return self._evaluate(it, stage, self._localize(stage, plans, batches))
+        return self._evaluate(it, stage, self._localize(stage, plans, batches, self.my_replica(it)))
 
     def _stage_of(self, it: IterationPlan) -> tuple[Stage, list]:
         """This rank's stage for the iteration and its replica's micro-batch plans."""
         replica = self.my_replica(it)
         if replica.replica_type not in self.stages:
             raise KeyError(f"iteration {it.index}: replica {replica.replica_type} was not registered at start")
+        if any(mb.layer_strategies for mb in replica.micro_batches) and replica.replica_type not in self.alternatives:
+            raise KeyError(f"iteration {it.index}: the plan gives layer strategies but the engine was built without "
+                           "layer_strategies")
         return self.stages[replica.replica_type], replica.micro_batches
 
     def _packed(self, it: IterationPlan, dataset, eod_mask_loss: bool, eod: int | None) -> tuple[Stage, list, list]:
         """The replica's micro-batches fetched from the dataset and packed as its type needs."""
         stage, plans = self._stage_of(it)
-        each, total = self.padding_for(stage.rep)
+        each, total = self.padding_for(stage.rep, self.my_replica(it))
         return stage, plans, [materialize(dataset, mb.sample_ids, pad_each_to=each, pad_total_to=total,
                                           eod_mask_loss=eod_mask_loss, eod=eod) for mb in plans]
 
-    def _localize(self, stage: Stage, plans: list, batches: list) -> list:
-        """This rank's CP chunk and TP slice of each micro-batch, on the device."""
-        _, c, _ = stage.rep.coords(self.rank)
+    def _localize(self, stage: Stage, plans: list, batches: list, replica=None) -> list:
+        """This rank's CP chunk and TP slice of each micro-batch, on the device, with the
+        strategy of each of its stage's layers when the plan switches them."""
+        _, c, p = stage.rep.coords(self.rank)
         hidden = stage.runner.config.hidden_size
-        return [localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers,
-                         device=self.device)
-                for b, mb in zip(batches, plans)]
+        out = []
+        for b, mb in zip(batches, plans):
+            local = localize(b, stage.rep.cp, c, stage.rep.tp, stage.sequence_parallel, hidden, mb.recompute_layers,
+                             device=self.device)
+            if replica is not None:
+                local.strategies = stage_strategies(mb, replica, p, self.num_layers)
+            out.append(local)
+        return out
 
-    def _layout_plan(self, it: IterationPlan):
-        key = it.layout_key()
-        layout = [self._all_runs[(r.replica_type, q)] for q in range(self.world)
-                  for r in it.replicas if q in r.ranks]
+    def _switch_needs(self, it: IterationPlan) -> tuple:
+        """Per replica, per stage: the alternative-strategy layers the iteration uses."""
+        if not self.alternatives and not self._alt_runs:
+            return ()
+        return tuple(switch_needs(r, self.num_layers) for r in it.replicas)
+
+    def _layout_plan(self, it: IterationPlan, needs: tuple = ()):
+        if not any(n for per_replica in needs for n in per_replica):
+            key = it.layout_key()
+            layout = [self._all_runs[(r.replica_type, q)] for q in range(self.world)
+                      for r in it.replicas if q in r.ranks]
+            return self.exchange.plan(key, layout)
+        key = (it.layout_key(), tuple((r.replica_type, n) for r, n in zip(it.replicas, needs)))
+        layout = []
+        for q in range(self.world):
+            i, r = next((i, r) for i, r in enumerate(it.replicas) if q in r.ranks)
+            home = self._all_runs[(r.replica_type, q)]
+            runs = list(home)
+            base = sum(x.numel for rs, _ in home for x in rs)
+            for s, k in needs[i][r.replica_type.coords(q)[2]]:
+                per_param, numel = self._alt_runs[(r.replica_type, s, q)][k]
+                runs += [(tuple(x.shifted(base) for x in rs), pushes) for rs, pushes in per_param]
+                base += numel
+            layout.append(runs)
         return self.exchange.plan(key, layout)
 
     def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
@@ -386,14 +495,20 @@ class AdaptiveEngine:
         dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         return total.tolist() + wait.tolist()
 
-    def _begin_pull(self, it: IterationPlan):
-        plan = self._layout_plan(it)
+    def _begin_pull(self, it: IterationPlan, stage: Stage):
+        """Bind this iteration's alternative layers, start the pull; (exchange plan, elements
+        in use, push buckets per parameter)."""
+        needs = self._switch_needs(it)
+        mine = needs[it.replicas.index(self.my_replica(it))][stage.runner.pp_rank] if needs else ()
+        numel, extra_buckets = self._bind_alternatives(stage, mine) if stage.rep in self.alternatives else (
+            stage.numel, [])
+        plan = self._layout_plan(it, needs)
         self._pull = PullStream(self.exchange, plan, self.optimizer.master(), self.params, self.overlap)
-        return plan
+        return plan, numel, stage.push_buckets + extra_buckets
 
     def _evaluate(self, it: IterationPlan, stage: Stage, micro_batches: list) -> tuple[float, float]:
         seed_rng_tracker(self.init_seed, it.index, stage.rep.coords(self.rank)[0])
-        self._begin_pull(it)
+        self._begin_pull(it, stage)
         try:
             loss_sum, tokens = stage.runner.evaluate(micro_batches, self._pull)
             self._pull.drain()
@@ -406,12 +521,12 @@ class AdaptiveEngine:
         moved_before = self.exchange.bytes_pulled + self.exchange.bytes_pushed
         waited_before = self.exchange.wait_s
         t0 = time.perf_counter()
-        plan = self._begin_pull(it)
+        plan, numel, push_buckets = self._begin_pull(it, stage)
         sync_s = time.perf_counter() - t0 if not self.overlap else 0.0
-        self.main_grads[: stage.numel].zero_()
+        self.main_grads[:numel].zero_()
         self.optimizer.zero_grad()
         scale = float(self.grad_scaler.scale.item()) if self.grad_scaler is not None else 1.0
-        self._push = PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, stage.push_buckets,
+        self._push = PushStream(self.exchange, plan, self.main_grads, self.optimizer.grad, push_buckets,
                                 self.overlap)
         clock = PhaseClock(self.device, len(micro_batches))
         try:
@@ -443,12 +558,10 @@ class AdaptiveEngine:
                 self._pull.need(bucket)
         return hook
 
-    def _grad_hook(self, stage: Stage, index: int):
-        lp = stage.local[index]
-
+    def _grad_hook(self, lp: LocalParam, buckets: list[int]):
         def hook(param):
             param.main_grad.add_(param.grad)
             param.grad = None
             if self._push is not None and self._push.tracking and lp.pushes_grad:
-                self._push.ready(stage.push_buckets[index])
+                self._push.ready(buckets)
         return hook

@@ -140,6 +140,13 @@ class ParamExchange:
         return self._plans[key]
 
     def _buffers(self, slot: int, dtype, n_send: int, n_recv: int):
+        need = max(n_send, n_recv) * _itemsize(dtype)
+        if need > self.slot_bytes:
+            # a rank that holds some layers in two strategies' shapes (layer-wise switching)
+            # receives those elements twice: the slots grow to the largest bucket seen
+            self.slot_bytes = need
+            self._slots = [(torch.empty(need, dtype=torch.uint8, device=self.device),
+                            torch.empty(need, dtype=torch.uint8, device=self.device)) for _ in self._slots]
         send, recv = self._slots[slot]
         return send.view(dtype)[:n_send], recv.view(dtype)[:n_recv]
 

@@ -32,6 +32,8 @@ class LocalMicroBatch:
     packed_seq_params: object
     hidden_shape: tuple[int, int, int]  # activations between stages: [s, 1, h]
     recompute_layers: int
+    strategies: tuple | None = None  # (tp, cp) of each layer of the stage when the plan switches them
+    relayout: object = None  # layer_switch.StageRelayout, built on first use
 
 
 def localize(batch, cp: int, cp_rank: int, tp: int, sequence_parallel: bool, hidden: int,
@@ -89,7 +91,9 @@ class StageRunner:
         self.tp_rank, self.cp_rank, self.pp_rank = rep.coords(rank)
         self.first = self.pp_rank == 0
         self.last = self.pp_rank == rep.pp - 1
-        self.layers_in_stage = num_layers // rep.pp
+        first, end = rep.stage_range(self.pp_rank, num_layers)
+        self.layers_in_stage = end - first
+        self.switching = None  # layer_switch.SwitchContext when the engine allows layer strategies
         self.prev = None if self.first else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank - 1)
         self.next = None if self.last else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank + 1)
         self.dtype = config.pipeline_dtype or torch.float32
@@ -99,6 +103,11 @@ class StageRunner:
         share = -(-mb.recompute_layers * self.layers_in_stage // max(self.config.num_layers, 1))
         if not self.first:
             self.model.set_input_tensor(x)
+        if mb.strategies is not None:
+            switch = self.switching.for_micro_batch(mb, share)
+            with recompute_during(self.config, self.layers_in_stage, 0), switch.installed(self.model.decoder):
+                return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
+                                  packed_seq_params=mb.packed_seq_params)
         with recompute_during(self.config, self.layers_in_stage, share):
             return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
                               packed_seq_params=mb.packed_seq_params)

@@ -20,7 +20,7 @@ class GroupRegistry:
     """Creates (once) and serves the process groups of a fixed set of replica types."""
 
     def __init__(self, replica_types: Sequence[ReplicaType]):
-        self.replica_types = sorted(set(replica_types), key=lambda r: (r.ranks, r.tp, r.cp, r.pp))
+        self.replica_types = sorted(set(replica_types), key=ReplicaType.sort_key)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
