@@ -112,6 +112,10 @@ CASES = [
          "--dcp-max-seq-len 1024 exceeds --dcp-global-batch-tokens 512", code=2, base="dcp"),
     Case("dcp-bad-memory-margin", ["--dcp-memory-margin", "1.5"], "--dcp-memory-margin must be in [0, 1)", code=2,
          base="dcp"),
+    Case("dcp-layer-strategies-static-planner", ["--dcp-planner", "static", "--dcp-layer-strategies"],
+         "--dcp-layer-strategies is a choice of the adaptive planner", code=2, base="dcp"),
+    Case("dcp-uneven-stages-without-dcp", ["--dcp-uneven-stages"],
+         "--dcp-uneven-stages is a choice of the adaptive planner", code=2),
     Case("dcp-sequence-fits-nowhere", ["--dcp-max-seq-len", "4000000", "--dcp-global-batch-tokens", "4000000"],
          "fits no layout", base="dcp"),
     # checkpoints

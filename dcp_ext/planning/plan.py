@@ -215,6 +215,9 @@ def validate_iteration(
         if rep.stage_layers:
             if len(rep.stage_layers) != rep.pp or min(rep.stage_layers) < 1:
                 raise ValueError(f"{where}: stage_layers {rep.stage_layers} must give pp={rep.pp} stages of >= 1 layer")
+            if len(set(rep.stage_layers[1:-1])) > 1:
+                raise ValueError(f"{where}: stage_layers {rep.stage_layers}: the middle stages must hold equal "
+                                 "layer counts (only the first and the last stage move)")
             if num_layers is not None and sum(rep.stage_layers) != num_layers:
                 raise ValueError(f"{where}: stage_layers {rep.stage_layers} sum to {sum(rep.stage_layers)}, "
                                  f"the model has {num_layers} layers")

@@ -89,11 +89,13 @@ def build_route(held_from: list[torch.Tensor], held_to: list[torch.Tensor], me: 
 def _apply(route: Route, x: torch.Tensor, group) -> torch.Tensor:
     rows = x.reshape(x.shape[0], -1)
     width = rows.shape[1]
-    send = rows[route.send_index.to(x.device)].contiguous()
+    if route.send_index.device != x.device:  # once per route: the indices live on the model's device
+        route.send_index, route.recv_index = route.send_index.to(x.device), route.recv_index.to(x.device)
+    send = rows[route.send_index].contiguous()
     recv = torch.empty(sum(route.recv_counts), width, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send, route.recv_counts, route.send_counts, group=group)
     out = torch.empty(route.out_rows, width, dtype=x.dtype, device=x.device)
-    out[route.recv_index.to(x.device)] = recv
+    out[route.recv_index] = recv
     return out.view(route.out_rows, *x.shape[1:])
 
 
