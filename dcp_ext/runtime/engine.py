@@ -40,8 +40,9 @@ from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.sharding import FixedSharding
 from dcp_ext.runtime.streams import PullStream, PushStream
 from dcp_ext.runtime.layer_switch import SwitchContext
-from dcp_ext.runtime.strategy_library import (AltStage, alternative_types, apply_stage_layers, split_by_layer,
-                                              stage_strategies, switch_needs)
+from dcp_ext.runtime.strategy_library import (alternative_types, apply_stage_layers, bind_alternatives,
+                                              build_alternative, gather_alternative_runs, stage_strategies,
+                                              switch_needs, switched_layout)
 from dcp_ext.runtime.timing import LocalTimings, PhaseClock
 from dcp_ext.runtime.initial_values import INIT_CHUNK, init_values, seed_rng_tracker
 
@@ -126,10 +127,10 @@ class AdaptiveEngine:
         self.make_config = make_config
         full_config = make_config(1, 1, 1, False)
         planned = sorted(set(replica_types), key=ReplicaType.sort_key)
-        alternatives = [a for rep in planned for a in alternative_types(
-            rep, full_config.num_attention_heads, full_config.num_query_groups or full_config.num_attention_heads)
-            ] if layer_strategies else []
-        self.registry = GroupRegistry(planned + alternatives)
+        heads = full_config.num_attention_heads
+        refactorings = {rep: alternative_types(rep, heads, full_config.num_query_groups or heads)
+                        for rep in planned} if layer_strategies else {}
+        self.registry = GroupRegistry(planned + [a for alts in refactorings.values() for a in alts])
         # The canonical space: the full model, built on the meta device (no memory).
         self.num_layers = full_config.num_layers
         self.gated = bool(full_config.gated_linear_unit)
@@ -154,13 +155,10 @@ class AdaptiveEngine:
         self.alternatives: dict[ReplicaType, dict] = {}
         if layer_strategies:
             for rep in mine:
-                self.alternatives[rep] = {(a.tp, a.cp): self._build_alternative(rep, a, build_model)
-                                          for a in alternative_types(rep, full_config.num_attention_heads,
-                                                                     full_config.num_query_groups
-                                                                     or full_config.num_attention_heads)}
+                self.alternatives[rep] = {(a.tp, a.cp): build_alternative(self, a, build_model) for a in refactorings[rep]}
                 self.stages[rep].runner.switching = SwitchContext.for_stage(
                     self.stages[rep], self.alternatives[rep], self.registry, self.rank, sequence_parallel)
-        self._alt_runs = self._gather_alternative_runs() if layer_strategies else {}
+        self._alt_runs = gather_alternative_runs(self.alternatives, self.world) if layer_strategies else {}
         # The fixed sharding.
         if optimizer_options is None:
             optimizer_options = OptimizerOptions(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
@@ -200,54 +198,6 @@ class AdaptiveEngine:
         for module, buckets in self._module_buckets(model, local):
             module.register_forward_pre_hook(self._pull_hook(max(buckets)))
         return stage
-
-    def _build_alternative(self, home: ReplicaType, rep: ReplicaType, build_model) -> AltStage:
-        """The decoder-only stage of `home`'s ranks re-factored as `rep`, holding no memory
-        until an iteration binds its layers."""
-        config = self._config(rep, self.sequence_parallel and rep.tp > 1)
-        tp_rank, _, pp_rank = rep.coords(self.rank)
-        where = torch.device("meta") if self.device.type == "meta" else contextlib.nullcontext()
-        with where:
-            model = build_model(config, False, False, self.registry.collection(rep))
-        first, end = rep.stage_range(pp_rank, self.num_layers)
-        local = map_stage(model, self.space, rep.tp, tp_rank, self.gated)
-        alt = AltStage((rep.tp, rep.cp), rep, model, split_by_layer(local, end - first))
-        for per_layer in alt.layers:
-            alt.buckets.append([])
-            for lp in per_layer:
-                alt.shapes[id(lp.param)] = lp.param.shape
-                buckets = sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)}
-                                 ) if lp.pushes_grad else []
-                alt.buckets[-1].append(buckets)
-                lp.param.register_post_accumulate_grad_hook(self._grad_hook(lp, buckets))
-        for module, buckets in self._module_buckets(model, local):
-            module.register_forward_pre_hook(self._pull_hook(max(buckets)))
-        alt.unbind(self.params)
-        return alt
-
-    def _gather_alternative_runs(self) -> dict:
-        """Every rank's alternative layers (runs relative to the layer, numel), once."""
-        mine = {(home, s): [([(tuple(r.shifted(lp.offset) for r in lp.runs), lp.pushes_grad) for lp in per_layer],
-                             alt.layer_numel(k)) for k, per_layer in enumerate(alt.layers)]
-                for home, alts in self.alternatives.items() for s, alt in alts.items()}
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)
-        return {(home, s, r): layers for r, per_rank in enumerate(everyone) for (home, s), layers in per_rank.items()}
-
-    def _bind_alternatives(self, stage: Stage, needs) -> tuple[int, list]:
-        """This iteration's alternative layers bound after the stage in the shared buffers:
-        (elements in use, the extra parameters' push buckets)."""
-        alts = self.alternatives.get(stage.rep, {})
-        for alt in alts.values():
-            alt.unbind(self.params)
-        end = stage.numel + sum(alts[s].layer_numel(k) for s, k in needs)
-        if end > self.params.numel():
-            self._grow_buffers(end)
-        offset, buckets = stage.numel, []
-        for s, k in needs:
-            offset = alts[s].bind(k, self.params, self.main_grads, offset)
-            buckets += alts[s].buckets[k]
-        return end, buckets
 
     def _grow_buffers(self, numel: int) -> None:
         self.params = torch.empty(numel, dtype=self.param_dtype, device=self.device)
@@ -458,31 +408,11 @@ class AdaptiveEngine:
             out.append(local)
         return out
 
-    def _switch_needs(self, it: IterationPlan) -> tuple:
-        """Per replica, per stage: the alternative-strategy layers the iteration uses."""
-        if not self.alternatives and not self._alt_runs:
-            return ()
-        return tuple(switch_needs(r, self.num_layers) for r in it.replicas)
-
     def _layout_plan(self, it: IterationPlan, needs: tuple = ()):
         if not any(n for per_replica in needs for n in per_replica):
-            key = it.layout_key()
-            layout = [self._all_runs[(r.replica_type, q)] for q in range(self.world)
-                      for r in it.replicas if q in r.ranks]
-            return self.exchange.plan(key, layout)
-        key = (it.layout_key(), tuple((r.replica_type, n) for r, n in zip(it.replicas, needs)))
-        layout = []
-        for q in range(self.world):
-            i, r = next((i, r) for i, r in enumerate(it.replicas) if q in r.ranks)
-            home = self._all_runs[(r.replica_type, q)]
-            runs = list(home)
-            base = sum(x.numel for rs, _ in home for x in rs)
-            for s, k in needs[i][r.replica_type.coords(q)[2]]:
-                per_param, numel = self._alt_runs[(r.replica_type, s, q)][k]
-                runs += [(tuple(x.shifted(base) for x in rs), pushes) for rs, pushes in per_param]
-                base += numel
-            layout.append(runs)
-        return self.exchange.plan(key, layout)
+            needs = ()
+        key = (it.layout_key(), tuple((r.replica_type, n) for r, n in zip(it.replicas, needs))) if needs else it.layout_key()
+        return self.exchange.plan(key, switched_layout(it, needs, self._all_runs, self._alt_runs, self.world))
 
     def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
@@ -498,9 +428,10 @@ class AdaptiveEngine:
     def _begin_pull(self, it: IterationPlan, stage: Stage):
         """Bind this iteration's alternative layers, start the pull; (exchange plan, elements
         in use, push buckets per parameter)."""
-        needs = self._switch_needs(it)
+        # per replica, per stage: the alternative-strategy layers the iteration uses
+        needs = tuple(switch_needs(r, self.num_layers) for r in it.replicas) if self._alt_runs else ()
         mine = needs[it.replicas.index(self.my_replica(it))][stage.runner.pp_rank] if needs else ()
-        numel, extra_buckets = self._bind_alternatives(stage, mine) if stage.rep in self.alternatives else (
+        numel, extra_buckets = bind_alternatives(self, stage, mine) if stage.rep in self.alternatives else (
             stage.numel, [])
         plan = self._layout_plan(it, needs)
         self._pull = PullStream(self.exchange, plan, self.optimizer.master(), self.params, self.overlap)
