@@ -16,10 +16,6 @@ from tests.helpers import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def _relative_error(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-
-
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("a,b", [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (1, 4)), ((4, 1), (2, 2))])
 def test_relayout_routes_every_token_to_its_next_holder(a, b, sp):
@@ -59,7 +55,7 @@ def _plan(index, docs_n, replica, switched):
 def _worker(rank, world, sequence_parallel):
     from dcp_ext.planning.layout import ReplicaType
     from tests.runtime_helpers import Reference, engine_step, make_engine, random_docs, tiny_args
-    from tests.test_runtime_equivalence import _reference_step
+    from tests.test_runtime_equivalence import _reference_step, _relative_error, step_errors
 
     cases = {
         "TP2 switching": ((0, 1), 2, 1, 1, None, True),
@@ -77,19 +73,11 @@ def _worker(rank, world, sequence_parallel):
         docs = random_docs(12, seed=40 + i)
         engine.set_canonical(init, reset_optimizer=True)
         got = engine_step(engine, _plan(0, len(docs), replica, switched), docs)
-        ref = Reference(engine, args, init) if rank == 0 else None
-        loss, norm, ref_grad, ref_params = _reference_step(ref, docs, engine.space.numel)
-        pushed = engine.exchange.allgather(engine.optimizer.grad)
         rep = types[i]
         built = len(engine.stages[rep].runner.model.decoder.layers)
         bound = sum(p.numel() for alt in engine.alternatives[rep].values() for p in alt.model.parameters())
-        report[name] = {
-            "built": built, "bound": bound,
-            "loss": abs(got.loss - loss) / abs(loss),
-            "norm": abs(got.grad_norm - norm) / norm,
-            "grads": _relative_error(pushed, ref_grad),
-            "params": _relative_error(engine.gather_canonical(), ref_params),
-        }
+        report[name] = {"built": built, "bound": bound,
+                        **step_errors(engine, got, Reference(engine, args, init) if rank == 0 else None, docs)}
     # two steps in a row: the second binds other alternative layers than the first
     engine.set_canonical(init, reset_optimizer=True)
     ref = Reference(engine, args, init) if rank == 0 else None

@@ -53,6 +53,19 @@ def _reference_step(ref, docs, numel):
     return float(buf[0]), float(buf[1]), buf[2 : 2 + numel].float(), buf[2 + numel :].float()
 
 
+def step_errors(engine, got, ref, docs) -> dict:
+    """Relative errors of one engine step against the reference's step on the same docs:
+    loss, gradient norm, pushed gradients, updated parameters."""
+    loss, norm, ref_grad, ref_params = _reference_step(ref, docs, engine.space.numel)
+    pushed = engine.exchange.allgather(engine.optimizer.grad)
+    return {
+        "loss": abs(got.loss - loss) / abs(loss),
+        "norm": abs(got.grad_norm - norm) / norm,
+        "grads": _relative_error(pushed, ref_grad),
+        "params": _relative_error(engine.gather_canonical(), ref_params),
+    }
+
+
 def _worker(rank, world, sequence_parallel, exchange, overlap):
     from tests.runtime_helpers import Reference, engine_step, make_engine, plan_for, random_docs, tiny_args
 
@@ -67,15 +80,7 @@ def _worker(rank, world, sequence_parallel, exchange, overlap):
         docs = random_docs(14, seed=i)
         engine.set_canonical(init, reset_optimizer=True)
         got = engine_step(engine, plan_for(0, layout, len(docs), recompute_every=3), docs)
-        ref = Reference(engine, args, init) if rank == 0 else None
-        loss, norm, ref_grad, ref_params = _reference_step(ref, docs, engine.space.numel)
-        pushed = engine.exchange.allgather(engine.optimizer.grad)
-        report[name] = {
-            "loss": abs(got.loss - loss) / abs(loss),
-            "norm": abs(got.grad_norm - norm) / norm,
-            "grads": _relative_error(pushed, ref_grad),
-            "params": _relative_error(engine.gather_canonical(), ref_params),
-        }
+        report[name] = step_errors(engine, got, Reference(engine, args, init) if rank == 0 else None, docs)
     # five steps, a different layout each
     engine.set_canonical(init, reset_optimizer=True)
     ref = Reference(engine, args, init) if rank == 0 else None
