@@ -86,6 +86,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-margin", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dcp-layer-strategies", choices=["on", "off"], default="off",
+                   help="adaptive planner: micro-batches may run layers under other (tp, cp) re-factorings of their "
+                        "replica's ranks (plan contract v2; default off)")
+    p.add_argument("--dcp-uneven-stages", choices=["on", "off", "even"], default="off",
+                   help="adaptive planner: pipelined layouts split their layers by stage time (embedding on the first "
+                        "stage, output layer and loss on the last); 'even' writes the even split explicitly, every "
+                        "stage priced on its own (the control for what balancing buys); default off")
+
+
+def planner_options(name: str, args) -> dict:
+    """Constructor options of planner `name` from the flags (the v2 features: adaptive only)."""
+    if name.strip().lower() != "adaptive":
+        return {}
+    out = {}
+    if getattr(args, "dcp_layer_strategies", "off") != "off":
+        out["layer_strategies"] = args.dcp_layer_strategies
+    if getattr(args, "dcp_uneven_stages", "off") != "off":
+        out["uneven_stages"] = args.dcp_uneven_stages
+    return out
 
 
 def load_lengths(path: str) -> np.ndarray:

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec, run_tool,
-                                validate_common_args)
+from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
+                                planner_options, run_tool, validate_common_args)
 from dcp_ext.data.progress import Progress
 from dcp_ext.planning.plan import Plan, validate_iteration
 from dcp_ext.planning.planner import PLANNERS, make_planner
@@ -38,7 +38,7 @@ def _main(argv: list[str] | None) -> int:
     planner = make_planner(args.planner, model, cluster, max_seq_len=args.max_seq_len,
                            global_batch_tokens=args.global_batch_tokens, length_sample=truncated,
                            profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
-                           progress=not args.quiet)
+                           progress=not args.quiet, **planner_options(args.planner, args))
     plan = Plan(cluster=cluster.to_json(), model=model.to_json())
     bs = batches(args, lengths)
     times = []

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from dcp_ext.cli.common import (CLIError, Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
-                                run_tool, validate_common_args)
+                                planner_options, run_tool, validate_common_args)
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.data.progress import Progress
 from dcp_ext.planning.plan import validate_iteration
@@ -47,12 +47,13 @@ def run(args) -> dict:
         planner = make_planner(name, model, cluster, max_seq_len=args.max_seq_len,
                                global_batch_tokens=args.global_batch_tokens, length_sample=truncated,
                                profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
-                               progress=not args.quiet)
+                               progress=not args.quiet, **planner_options(name, args))
         build_s = time.perf_counter() - t0
         if name == names[0] and planner.cm.profile is not None:
             cm = planner.cm
         times, plan_s, plan_cpu, peaks, layouts, valid, failed = [], [], [], [], [], True, None
         its = []
+        mbs_all, mbs_layered, splits = 0, 0, set()
         with Progress(f"simulate {name}", total=len(bs), unit="it", enabled=not args.quiet) as bar:
             for i, ids in enumerate(bs):
                 lens = truncated[ids]
@@ -74,6 +75,9 @@ def run(args) -> dict:
                 times.append(res.time_s)
                 peaks.append(res.peak_memory_fraction)
                 layouts.append("+".join(sorted({f"tp{r.tp}cp{r.cp}pp{r.pp}" for r in it.replicas})))
+                mbs_all += sum(len(r.micro_batches) for r in it.replicas)
+                mbs_layered += sum(1 for r in it.replicas for mb in r.micro_batches if mb.layer_strategies)
+                splits.update(f"tp{r.tp}cp{r.cp}pp{r.pp}{r.stage_layers}" for r in it.replicas if r.stage_layers)
                 its.append(it)
                 bar.update(1)
         if failed:
@@ -88,6 +92,8 @@ def run(args) -> dict:
             "plan_cpu_ms_median": 1000 * float(np.median(plan_cpu)),
             "peak_memory_fraction": float(np.max(peaks)), "valid": bool(valid),
             "distinct_layouts": len(set(layouts)),
+            "micro_batches": mbs_all, "layered_micro_batches": mbs_layered, "stage_splits": sorted(splits),
+            "options": planner_options(name, args),
         }
     lb_cm = cm
     lbs = []

@@ -29,27 +29,54 @@ from dcp_ext.planning.specs import bucket_numel_for
 
 class MemoryAccounting:
     """Memory methods of `CostModel` (it sets model, cluster, memory_margin and the
-    shared-buffer fields `buffer_params`, `buffer_by_layout`, and `layers_per_stage`)."""
+    shared-buffer fields `buffer_params`, `buffer_by_layout`, `stage_splits`, and `layers_per_stage`)."""
 
     @property
     def capacity_bytes(self) -> float:
         g = self.cluster.gpu
         return g.memory_bytes * (1.0 - self.memory_margin) - g.reserved_bytes
 
-    def state_bytes(self, layout: Layout) -> float:
+    def state_bytes(self, layout: Layout, split=None) -> float:
         """Persistent bytes on one device, as the runtime allocates them: the rank's shared
         parameter and fp32 main-grad buffers (sized to the largest stage it can play: this
         layout's, or the pool's when `charge_shared_buffers` was called), its shard of the
         optimizer state (fp32 master, fp32 gradient, Adam moments) and the exchange buffers."""
         m = self.model
-        buffer = self.buffer_params_for(layout)
+        buffer = self.buffer_params_for(layout, split)
         opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
         return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes
 
-    def buffer_params_for(self, layout: Layout) -> float:
-        """Parameters in the shared buffers of a device that runs `layout`."""
+    def buffer_params_for(self, layout: Layout, split=None) -> float:
+        """Parameters in the shared buffers of a device that runs `layout` (under `split`,
+        a replica's stage_layers, when given)."""
         shared = self.buffer_by_layout.get(Layout(*layout), self.buffer_params)
-        return max(self.model.local_stage_params(layout.tp, layout.pp), shared)
+        return max(self.heaviest_stage_params(layout, split), shared)
+
+    def heaviest_stage_params(self, layout: Layout, split=None) -> float:
+        """Parameters one rank holds for the heaviest stage of `layout`: the even split's
+        (`ModelSpec.local_stage_params`), or under the stage split registered for it in
+        `stage_splits` or given as `split` (uneven pipeline stages: stage 0 holds the
+        embedding, the last the output layer and final norm)."""
+        if split is None:
+            split = self.stage_splits.get(Layout(*layout)) if self.stage_splits else None
+        if not split:
+            return self.model.local_stage_params(layout.tp, layout.pp)
+        return max(self.stage_params_of(layout, split, p) for p in range(len(split)))
+
+    def stage_params_of(self, layout: Layout, split, p: int) -> float:
+        """Parameters one rank of pipeline stage `p` holds under the stage split `split`."""
+        m, tp = self.model, layout.tp
+        h = m.hidden_size
+        layer = (m.layer_params - 2 * h) / tp + 2 * h
+        emb = m.embedding_params / tp
+        out = split[p] * layer
+        if p == 0:
+            out += emb
+        if p == len(split) - 1:
+            out += emb + h  # the output layer (or the tied copy) + final norm
+        if len(split) == 1 and not m.untie_embeddings_and_output_weights:
+            out -= emb  # one stage with tied embeddings holds the matrix once
+        return out
 
     @property
     def exchange_bytes(self) -> float:
@@ -62,7 +89,7 @@ class MemoryAccounting:
         """The layouts of a pool share each rank's buffers. Without `placements`, charge every
         layout the pool's largest stage; with them ((layout, ranks) of every replica the pool
         can run), charge each layout the largest stage any of its ranks plays."""
-        stage = lambda l: self.model.local_stage_params(l.tp, l.pp)  # noqa: E731
+        stage = self.heaviest_stage_params
         layouts = list(layouts)
         self.buffer_params = max((stage(l) for l in layouts), default=0.0)
         self.buffer_by_layout = {}

@@ -135,6 +135,9 @@ class CostModel(MemoryAccounting):
         self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
         self.buffer_params = 0.0  # see charge_shared_buffers
         self.buffer_by_layout: dict = {}
+        # uneven pipeline stages: Layout -> layers per stage (dcp_ext.planning.planners.stage_split);
+        # empty: every layout splits its layers evenly
+        self.stage_splits: dict[Layout, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ layouts
     def layout_valid(self, layout: Layout) -> bool:
@@ -194,6 +197,9 @@ class CostModel(MemoryAccounting):
     def recalibrated(self) -> None:
         """The calibration changed: prices are recomputed from it on next use."""
         self._coeffs.clear()
+        lp = getattr(self, "_layer_prices", None)
+        if lp is not None:
+            lp.clear()
 
     @property
     def iteration_overhead_s(self) -> float:
@@ -201,11 +207,12 @@ class CostModel(MemoryAccounting):
         cal = self.calibration
         return cal.outside_s if cal is not None and cal.observed else 0.0
 
-    def _analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
+    def analytic_terms(self, layout: Layout) -> dict[str, float]:
+        """The analytic price's pieces for one layout, per layer and per stage (seconds per
+        token, per unit of sum s^2, or per micro-batch): what `_analytic_coeffs` assembles
+        into a stage's coefficients and `dcp_ext.planning.layer_cost` into one layer's."""
         m, cl, g = self.model, self.cluster, self.cluster.gpu
         tp, cp, pp = layout
-        Ls = self.layers_per_stage(layout)
-        rs = min(rs, Ls)
         e = m.activation_bytes
         p_mm = g.peak_flops * g.matmul_efficiency
         p_at = g.peak_flops * g.attention_efficiency
@@ -238,6 +245,19 @@ class CostModel(MemoryAccounting):
             p2p_fixed = lat
         else:
             p2p_pt = p2p_fixed = 0.0
+        return dict(lin_pt=lin_pt, lin_fixed=lin_fixed, att_s2=att_s2, tpc_pt=tpc_pt, tpc_fixed=tpc_fixed,
+                    cp_comm=cp_comm, cp_fixed=cp_fixed, log_pt=log_pt, log_fixed=log_fixed, p2p_pt=p2p_pt,
+                    p2p_fixed=p2p_fixed, overhead=g.micro_batch_overhead_s, doc=g.attention_doc_overhead_s)
+
+    def _analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
+        tp, cp, pp = layout
+        Ls = self.layers_per_stage(layout)
+        rs = min(rs, Ls)
+        t = self.analytic_terms(layout)
+        g = self.cluster.gpu
+        lin_pt, lin_fixed, att_s2 = t["lin_pt"], t["lin_fixed"], t["att_s2"]
+        tpc_pt, tpc_fixed, cp_comm, cp_fixed = t["tpc_pt"], t["tpc_fixed"], t["cp_comm"], t["cp_fixed"]
+        log_pt, log_fixed, p2p_pt, p2p_fixed = t["log_pt"], t["log_fixed"], t["p2p_pt"], t["p2p_fixed"]
 
         fwd_layers = Ls
         bwd_layers = Ls

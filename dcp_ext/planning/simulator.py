@@ -130,6 +130,33 @@ def one_f_one_b(fwd: Sequence[float], bwd: Sequence[float], pp: int, record: boo
     return PipelineResult(max(clock), events)
 
 
+def one_f_one_b_stages(fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]], pp: int,
+                       record: bool = False) -> PipelineResult:
+    """`one_f_one_b` with stages of their own: fwd[j][i], bwd[j][i] are stage j's times of
+    micro-batch i (uneven stages, layer strategies). Identical stages give `one_f_one_b`'s
+    makespan."""
+    m = len(fwd[0]) if pp else 0
+    if m == 0:
+        return PipelineResult(0.0)
+    if pp == 1:
+        return one_f_one_b(fwd[0], bwd[0], 1, record)
+    st, mb, kd, dp = _schedule(m, pp)
+    end = [0.0] * len(st)
+    clock = [0.0] * pp
+    events = []
+    for k in range(len(st)):
+        j, i, dep = st[k], mb[k], dp[k]
+        start = clock[j]
+        if dep >= 0 and end[dep] > start:
+            start = end[dep]
+        e = start + (bwd[j][i] if kd[k] else fwd[j][i])
+        end[k] = e
+        clock[j] = e
+        if record:
+            events.append((j, i, "B" if kd[k] else "F", start, e))
+    return PipelineResult(max(clock), events)
+
+
 # ---------------------------------------------------------------------------- one iteration
 @dataclass
 class ReplicaResult:
@@ -166,6 +193,8 @@ def micro_batch_order_time(cm: CostModel, layout: Layout, mbs: Sequence[tuple[fl
 
 
 def simulate_replica(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, int], num_replicas: int) -> ReplicaResult:
+    if rep.uses_v2():
+        return simulate_replica_v2(cm, rep, length_of, num_replicas)
     layout = Layout(rep.tp, rep.cp, rep.pp)
     # memory: each micro-batch's documents as the runtime pads them. Where memory is quadratic
     # in their lengths (the CPU) the padded micro-batch is what is checked, tokens included;
@@ -190,6 +219,88 @@ def simulate_replica(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, in
         pipeline_s=pipe,
         peak_bytes=cm.replica_peak_bytes(layout, tokens, rss, mb_lengths=lengths),
         mb_stage_s=[f + b for f, b in zip(fwd, bwd)],
+    )
+
+
+def replica_stage_times(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, int]) -> tuple[list, list]:
+    """fwd[stage][micro-batch], bwd[stage][micro-batch] seconds of a (v2) replica's plan;
+    micro-batches of the same recompute and layer strategies are priced together."""
+    from dcp_ext.planning.layer_cost import stage_times_arrays
+
+    lp = layer_prices(cm)
+    layout = Layout(rep.tp, rep.cp, rep.pp)
+    m = len(rep.micro_batches)
+    stats = np.empty((3, m))
+    groups: dict = {}
+    for i, mb in enumerate(rep.micro_batches):
+        s = np.fromiter((length_of[j] for j in mb.sample_ids), dtype=float, count=len(mb.sample_ids))
+        stats[:, i] = (float(np.dot(s, s)), float(s.sum()), len(s))
+        key = (mb.recompute_layers, tuple(mb.layer_strategies) if mb.layer_strategies else None)
+        groups.setdefault(key, []).append(i)
+    F = np.empty((rep.pp, m))
+    B = np.empty((rep.pp, m))
+    for (R, strategies), idx in groups.items():
+        f, b = stage_times_arrays(lp, layout, rep.stage_layers, stats[0, idx], stats[1, idx], stats[2, idx], R,
+                                  list(strategies) if strategies else None)
+        F[:, idx], B[:, idx] = f, b
+    return F.tolist(), B.tolist()
+
+
+def layer_prices(cm: CostModel):
+    """The cost model's LayerPrices (one per cost model, cleared when it recalibrates)."""
+    from dcp_ext.planning.layer_cost import LayerPrices
+
+    lp = getattr(cm, "_layer_prices", None)
+    if lp is None:
+        lp = cm._layer_prices = LayerPrices(cm)
+    return lp
+
+
+def v2_padded_lengths(cm: CostModel, rep: ReplicaPlan, lengths: Sequence[int], strategies=None) -> list[int]:
+    """A v2 micro-batch's documents as the runtime pads them: each to a multiple of
+    2*lcm(cp of every strategy in the replica's micro-batches) when any cp > 1, the total to
+    tp*cp with sequence parallelism when any strategy has tp > 1. `strategies`: the
+    replica's (tp, cp) set, when the caller has it."""
+    from dcp_ext.data.lengths import round_up
+
+    if strategies is None:
+        strategies = {(rep.tp, rep.cp)} | {(s.tp, s.cp) for mb in rep.micro_batches for s in mb.layer_strategies or ()}
+    c = 1
+    for _, cp in strategies:
+        c = math.lcm(c, cp)
+    each = 2 * c if c > 1 else 1
+    n = rep.tp * rep.cp
+    total = n if (cm.model.sequence_parallel and any(tp > 1 for tp, _ in strategies)) else 1
+    out = [round_up(int(x), each) for x in lengths]
+    if out:
+        whole = sum(out)
+        out[-1] += round_up(whole, math.lcm(each, total)) - whole
+    return out
+
+
+def simulate_replica_v2(cm: CostModel, rep: ReplicaPlan, length_of: Mapping[int, int], num_replicas: int) -> ReplicaResult:
+    """A replica with stage_layers or layer strategies: every stage priced on its own
+    (`dcp_ext.planning.layer_cost`, `dcp_ext.planning.layer_memory`)."""
+    from dcp_ext.planning.layer_memory import replica_peak_v2
+
+    layout = Layout(rep.tp, rep.cp, rep.pp)
+    quadratic = cm.quadratic(layout)
+    fwd, bwd = replica_stage_times(cm, rep, length_of)
+    strategies = {(rep.tp, rep.cp)} | {(s.tp, s.cp) for mb in rep.micro_batches for s in mb.layer_strategies or ()}
+    mem = []
+    for mb in rep.micro_batches:
+        real = [length_of[i] for i in mb.sample_ids]
+        padded = v2_padded_lengths(cm, rep, real, strategies)
+        mem.append((float(sum(padded)) if quadratic else float(sum(real)), mb.recompute_layers, mb.layer_strategies,
+                    padded))
+    pipe = one_f_one_b_stages(fwd, bwd, rep.pp).makespan
+    return ReplicaResult(
+        layout=layout,
+        ranks=list(rep.ranks),
+        sync_s=cm.sync_time(layout, num_replicas),
+        pipeline_s=pipe,
+        peak_bytes=replica_peak_v2(cm, layout, rep.stage_layers, mem),
+        mb_stage_s=[max(fwd[j][i] + bwd[j][i] for j in range(rep.pp)) for i in range(len(rep.micro_batches))],
     )
 
 

@@ -260,6 +260,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     "llama2-70b": ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # a large vocabulary (128256): its output layer and loss weigh ~2.4 layers, so pipelines
+    # gain from uneven stages (dcp_ext.planning.planners.stage_split)
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     "gpt-1.3b": ModelSpec(
         "gpt-1.3b", 24, 2048, 16, 16, 8192, 50304, 2048, swiglu=False,
         untie_embeddings_and_output_weights=False, hidden_dropout=True,

@@ -61,6 +61,15 @@ from dcp_ext.planning.planners.common import (
 )
 
 
+def _switch(value, name: str, choices: tuple[str, ...]) -> str:
+    """A feature option as one of `choices`: True/False read as "on"/"off"."""
+    v = {True: "on", False: "off", None: "off"}.get(value, value) if isinstance(value, (bool, type(None))) else value
+    v = str(v).strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)} (or True/False), not {value!r}")
+    return v
+
+
 class AdaptivePlanner(PlannerBase):
     name = "adaptive"
 
@@ -90,11 +99,22 @@ class AdaptivePlanner(PlannerBase):
         small_batch: int = 64,
         layouts: Sequence[str | Sequence[tuple[int, int, int]]] | None = None,
         static_layout: tuple[int, int, int] | None = None,
+        layer_strategies: bool | str = False,
+        uneven_stages: bool | str = False,
     ):
         """static_layout (tp, cp, pp): the static baseline's layout (a Megatron line's
         parallel sizes), world // (tp*cp*pp) replicas of it, kept in the pool whatever the
-        search finds, so the planner can always run what upstream Megatron would."""
+        search finds, so the planner can always run what upstream Megatron would.
+
+        layer_strategies (plan contract v2, default off): micro-batches may run layers under
+        other re-factorings of their replica's tp*cp ranks (`planners.layer_plan`).
+        uneven_stages (default off): pipelined layouts split their layers by the cost
+        model's stage times (`planners.stage_split`), fixed per layout; "even" emits the
+        even split explicitly (every stage priced on its own: the control for measuring
+        what the balancing itself buys). Both: True/"on", False/"off"."""
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
+        self.layer_strategies = _switch(layer_strategies, "layer_strategies", ("on", "off"))
+        self.uneven_stages = _switch(uneven_stages, "uneven_stages", ("on", "off", "even"))
         self.recompute = recompute
         self.top_k = top_k
         self.switch_margin = switch_margin
@@ -148,6 +168,8 @@ class AdaptivePlanner(PlannerBase):
         self.static_entry: LayoutMix | None = None
         if static_layout is not None:
             self._add_static_entry(Layout(*static_layout), max_layouts, layout_filter)
+        if self.uneven_stages != "off":
+            self._choose_stage_splits()
         self._charge_pool_buffers(recompute)
         self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
@@ -155,6 +177,36 @@ class AdaptivePlanner(PlannerBase):
             self._register(self.placements[c])
         self._current: LayoutMix | None = None
         self._last_index: int | None = None
+
+    def _choose_stage_splits(self) -> None:
+        """One split per pipelined layout of the pool (`stage_split`), registered with the
+        cost model (its memory and the replica types follow it)."""
+        from dcp_ext.planning.planners.stage_split import balanced_split
+
+        L = self.model.num_layers
+        for lay in sorted({l for c in self.pool.layouts for l, _ in c}):
+            if lay.pp == 1 or self.cm.quadratic(lay) or lay not in self.tables:
+                continue
+            even = (L // lay.pp,) * lay.pp
+            split = even if self.uneven_stages == "even" else balanced_split(self.cm, lay, self.tables[lay],
+                                                                               self.length_sample, self.lp)
+            self.cm.stage_splits[lay] = tuple(split)
+
+    @property
+    def lp(self):
+        from dcp_ext.planning.simulator import layer_prices
+
+        return layer_prices(self.cm)
+
+    def _v2(self, prep: BatchPrep, reps: list[PackedReplica]) -> list[PackedReplica]:
+        """The plan contract v2 pass over one candidate's replicas (`layer_plan.plan_v2`)."""
+        if self.layer_strategies == "off" and not self.cm.stage_splits:
+            return reps
+        from dcp_ext.planning.planners.layer_plan import plan_v2
+
+        R = len(reps)
+        return [plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list,
+                        self.cm.stage_splits.get(r.layout), R, self.layer_strategies == "on") for r in reps]
 
     def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
         """The static layout's entry joins the pool (first), displacing the last entry the
@@ -278,7 +330,7 @@ class AdaptivePlanner(PlannerBase):
         plans = {}
         for i in pick:
             t_est, c, order, bounds = est[i]
-            reps = self._full_plan(prep, c, order, bounds)
+            reps = self._v2(prep, self._full_plan(prep, c, order, bounds))
             plans[i] = (max(r.time_s for r in reps), reps)
         if self._use_assign:
             # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
@@ -286,6 +338,7 @@ class AdaptivePlanner(PlannerBase):
             i = min(plans, key=lambda i: (plans[i][0], i))
             alt = self._assign_plan(prep, est[i][1], est[i][0])
             if alt is not None:
+                alt = self._v2(prep, alt)
                 t_alt = max(r.time_s for r in alt)
                 if t_alt < plans[i][0]:
                     plans[i] = (t_alt, alt)

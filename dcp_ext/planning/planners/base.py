@@ -120,7 +120,8 @@ class PlannerBase:
     def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
         seen = set(self._types)
         for lay, ranks in placements:
-            key = ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks))
+            split = self.cm.stage_splits.get(Layout(*lay)) if self.cm.stage_splits else None
+            key = ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None)
             if key not in seen:
                 seen.add(key)
                 self._types.append(key)

@@ -231,6 +231,10 @@ class PackedReplica:
     pipeline_s: float = 0.0
     sync_s: float = 0.0
     peak_bytes: float = 0.0
+    # plan contract v2 (dcp_ext.planning.planners.layer_plan): the replica's stage split and
+    # each micro-batch's layer strategies (None: even stages, the replica's (tp, cp) everywhere)
+    stage_layers: tuple[int, ...] | None = None
+    layer_strategies: list | None = None
 
 
 def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float,
@@ -432,9 +436,12 @@ def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[Pack
                 cp=r.layout.cp,
                 pp=r.layout.pp,
                 micro_batches=[
-                    MicroBatchPlan([int(sample_ids[d]) for d in docs], cm.recompute_layers(r.layout, rs)) for docs, rs in r.micro_batches
+                    MicroBatchPlan([int(sample_ids[d]) for d in docs], cm.recompute_layers(r.layout, rs),
+                                   r.layer_strategies[i] if r.layer_strategies else None)
+                    for i, (docs, rs) in enumerate(r.micro_batches)
                 ],
                 predicted_time_s=float(r.time_s),
+                stage_layers=list(r.stage_layers) if r.stage_layers else None,
             )
         )
     return IterationPlan(
