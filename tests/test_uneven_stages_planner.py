@@ -94,3 +94,14 @@ def test_uneven_stages_off_writes_v1_plans():
     assert all(r.stage_layers is None for r in it.replicas)
     assert all(t.stage_layers is None for t in p.replica_types())
     assert Plan({}, {}, [it]).to_json()["schema"] == "dcp-plan/v1"
+
+
+def test_deep_pipelines_move_only_the_first_and_last_stage():
+    """pp > 2: megatron-core builds [first, m, ..., m, last]; the split keeps that shape and
+    still lightens the stages that carry the embedding and the logits."""
+    from dcp_ext.planning.planners.stage_split import _fastest
+
+    split = _fastest([5.0, 0.0, 0.0, 9.0], 1.0, 32, [29] * 4)
+    assert len(set(split[1:-1])) == 1 and sum(split) == 32
+    assert split[-1] < split[1] and split[0] < split[1]
+    assert _fastest([0.0, 0.0, 0.0], 1.0, 9, [7] * 3) == [3, 3, 3]

@@ -58,6 +58,8 @@ def _fastest(fixed: list[float], per_layer: float, num_layers: int, caps: list[i
     pp = len(fixed)
     if sum(caps) < num_layers or min(caps) < 1:
         return None
+    if pp > 2:
+        return _fastest_first_last(fixed, per_layer, num_layers, caps)
     cands = sorted({f + n * per_layer for f in fixed for n in range(1, num_layers + 1)})
 
     def room(T):
@@ -85,6 +87,27 @@ def _fastest(fixed: list[float], per_layer: float, num_layers: int, caps: list[i
         p = min((p for p in range(pp) if split[p] < best[p]), key=lambda p: (split[p], -p))
         split[p] += 1
     return split
+
+
+def _fastest_first_last(fixed: list[float], per_layer: float, num_layers: int, caps: list[int]) -> list[int] | None:
+    """As `_fastest`, among the splits the runtime can build with pp > 2 (megatron-core's
+    uneven split moves only the first and the last stage): [first, m, ..., m, last]."""
+    pp = len(fixed)
+    best, best_key = None, None
+    for first in range(1, caps[0] + 1):
+        for last in range(1, caps[-1] + 1):
+            rest = num_layers - first - last
+            if rest < pp - 2 or rest % (pp - 2):
+                continue
+            m = rest // (pp - 2)
+            split = [first] + [m] * (pp - 2) + [last]
+            if any(n > c for n, c in zip(split, caps)):
+                continue
+            slowest = max(f + n * per_layer for f, n in zip(fixed, split))
+            key = (round(slowest, 15), sum(abs(n - num_layers / pp) for n in split))
+            if best_key is None or key < best_key:
+                best, best_key = split, key
+    return best
 
 
 def _fits(cm: CostModel, layout: Layout, split, tables) -> int | None:
