@@ -77,13 +77,21 @@ def command(setting: dict, planners: str, layers: str, uneven: str, iterations: 
     return out
 
 
-def run_variants(setting: dict, iterations: int, baselines: str) -> dict:
-    """One dcp-simulate run per variant (the first with the baselines), bounds computed once."""
+# the ParaDySe mechanism alone: the adaptive planner held to static's best layout (a fixed
+# pool of one entry; planner option `layouts`, not a dcp-simulate flag), without and with
+# layer strategies
+FIXED = [("adaptive on static's layout", "off", "off"), ("adaptive on static's layout +layers", "on", "off")]
+
+
+def run_variants(setting: dict, iterations: int, baselines: str, fixed_layout: str | None = None) -> dict:
+    """One dcp-simulate run per variant (the first with the baselines), bounds computed once;
+    with `fixed_layout` ("2xtp8cp4pp1"), also the FIXED rows."""
     rows, bounds, bounds_v2 = {}, None, None
     common = {}
-    for label, layers, uneven in VARIANTS:
+    variants = VARIANTS + (FIXED if fixed_layout else [])
+    for label, layers, uneven in variants:
         planners = baselines if label == "adaptive" else "adaptive"
-        extra = {}
+        extra = {"extra_options": {"adaptive": {"layouts": [fixed_layout]}}} if label in dict((f[0], 1) for f in FIXED) else {}
         if bounds is not None:
             extra["lower_bounds"] = bounds
         if bounds_v2 is not None:
@@ -94,6 +102,8 @@ def run_variants(setting: dict, iterations: int, baselines: str) -> dict:
         bounds_v2 = res.get("lower_bound_v2_s", bounds_v2)
         common.update({k: v for k, v in res.items() if k != "planners"})
         cmd = command(setting, planners, layers, uneven, iterations)
+        if "extra_options" in extra:
+            cmd += f"   (planner option layouts=['{fixed_layout}'])"
         print(f"  {label}: {time.time() - t0:.0f} s   {cmd}", file=sys.stderr, flush=True)
         for name, r in res["planners"].items():
             key = label if name == "adaptive" else name
@@ -114,6 +124,18 @@ def run_variants(setting: dict, iterations: int, baselines: str) -> dict:
             r["gap_to_bound_v2"] = float(np.mean(t / lb2) - 1)
             r["min_ratio_to_bound_v2"] = float(np.min(t / lb2))
     return dict(common, rows=rows)
+
+
+def static_layout(setting: dict, iterations: int) -> str:
+    """Static's layout for the setting, as a fixed pool ("2xtp8cp4pp1")."""
+    from dcp_ext.planning.planner import make_planner
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+
+    lengths = np.minimum(np.loadtxt(setting["lengths"], dtype=np.int64), setting["max_seq_len"])
+    cluster = ClusterSpec.from_preset(setting["cluster"])
+    p = make_planner("static", ModelSpec.from_preset(setting["model"]), cluster, max_seq_len=setting["max_seq_len"],
+                     global_batch_tokens=setting["global_batch_tokens"], length_sample=lengths)
+    return f"{cluster.num_gpus // p.layout.size}x{p.layout}"
 
 
 def fmt(x, spec, suffix=""):
@@ -177,10 +199,11 @@ def summary(result: dict) -> str:
     rows = result["rows"]
     a = rows["adaptive"]["mean_s"]
     out = [f"adaptive vs static {rows['static']['mean_s'] / a:.3f}x; bound allows {rows['static']['mean_s'] / result['lower_bound_mean_s']:.3f}x"]
-    for label, _, _ in VARIANTS[1:]:
+    for label, _, _ in VARIANTS[1:] + FIXED:
         r = rows.get(label)
-        if r and not r.get("failed"):
-            out.append(f"{label}: {a / r['mean_s']:.4f}x of adaptive, {r['layered_micro_batches']}/{r['micro_batches']} "
+        base, what = (a, "adaptive") if label != FIXED[1][0] else (rows.get(FIXED[0][0], {}).get("mean_s"), FIXED[0][0])
+        if r and not r.get("failed") and base:
+            out.append(f"{label}: {base / r['mean_s']:.4f}x of {what}, {r['layered_micro_batches']}/{r['micro_batches']} "
                        f"micro-batches layered, splits {r.get('stage_splits') or 'none'}, plan {r['plan_ms_median']:.1f} ms "
                        f"median / {r['plan_ms_max']:.1f} max (cpu {r['plan_cpu_ms_median']:.1f})")
     return "\n".join(out)
@@ -203,7 +226,7 @@ def main() -> int:
         print(table(result, "long context"))
         return 0
     if not a.table:
-        result = run_variants(LONG_SETTING, a.iterations, BASELINES)
+        result = run_variants(LONG_SETTING, a.iterations, BASELINES, static_layout(LONG_SETTING, a.iterations))
         path = a.json or os.path.join(RESULTS, "long_context.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
@@ -213,7 +236,15 @@ def main() -> int:
         print(summary(result))
         return 0
     out, md = [], []
-    for setting, iters in [(LONG_SETTING, a.iterations)] + [(s, a.table_iterations) for s in SHIPPED]:
+    long_json = os.path.join(RESULTS, "long_context.json")
+    if os.path.exists(long_json):  # the long-context setting as the default run measured it
+        with open(long_json) as f:
+            result = json.load(f)
+        out.append(result)
+        md.append(table(result, f"long_context_mix.txt: {result['model']} on {result['cluster']}, {result['iterations']} "
+                                f"batches of {result['global_batch_tokens'] // 2**20}M tokens, max-seq-len "
+                                f"{result['max_seq_len']} (from long_context.json)"))
+    for setting, iters in [(s, a.table_iterations) for s in SHIPPED]:
         print(f"{os.path.basename(setting['lengths'])} {setting['model']} {setting['cluster']}", file=sys.stderr)
         result = run_variants(setting, iters, "static,adaptive")
         out.append(result)

@@ -47,7 +47,8 @@ def run(args) -> dict:
         planner = make_planner(name, model, cluster, max_seq_len=args.max_seq_len,
                                global_batch_tokens=args.global_batch_tokens, length_sample=truncated,
                                profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
-                               progress=not args.quiet, **planner_options(name, args))
+                               progress=not args.quiet, **planner_options(name, args),
+                               **(getattr(args, "extra_options", None) or {}).get(name, {}))
         build_s = time.perf_counter() - t0
         if name == names[0] and planner.cm.profile is not None:
             cm = planner.cm
