@@ -323,6 +323,7 @@ def plan_v2(cm: CostModel, lp: LayerPrices, tt: TypeTable, rep: PackedReplica, s
     t, st, k, adopt, lvl = best
     if split is None and st is None:
         return rep
+    R.base_lvl = base_lvl
     return _exact(cm, lp, R, rep, st, k, adopt, lvl, base_t if st is not None else None)
 
 
@@ -354,7 +355,6 @@ def _exact(cm, lp, R: ReplicaV2, rep: PackedReplica, st, k, adopt, lvl, beat: fl
     if beat is not None and (t >= beat * (1 - 1e-9) or peak > cm.capacity_bytes * (1 + 1e-9)):
         if R.split is None:
             return rep
-        no = np.zeros(R.m, dtype=bool)
-        return _exact(cm, lp, R, rep, None, 0, no, R.refit(None, 0, no, R.lvl0), None)
+        return _exact(cm, lp, R, rep, None, 0, np.zeros(R.m, dtype=bool), R.base_lvl, None)
     return PackedReplica(R.layout, list(rep.ranks), mbs, t, pipe, R.sync, peak, stage_layers=R.split,
                          layer_strategies=strategies)
