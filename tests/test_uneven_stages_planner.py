@@ -105,3 +105,34 @@ def test_deep_pipelines_move_only_the_first_and_last_stage():
     assert len(set(split[1:-1])) == 1 and sum(split) == 32
     assert split[-1] < split[1] and split[0] < split[1]
     assert _fastest([0.0, 0.0, 0.0], 1.0, 9, [7] * 3) == [3, 3, 3]
+
+
+def test_dcp_plan_flags_reach_the_adaptive_planner_only(tmp_path, monkeypatch):
+    """dcp-plan's --dcp-uneven-stages / --dcp-layer-strategies become the adaptive planner's
+    options (the baselines get none); the plans written validate; without the flags, v1."""
+    import json
+
+    from dcp_ext.cli import plan as plan_cli
+
+    seen = []
+    real = plan_cli.make_planner
+
+    def spy(name, *a, **kw):
+        seen.append((name, {k: kw[k] for k in ("layer_strategies", "uneven_stages") if k in kw}))
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(plan_cli, "make_planner", spy)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{n}\n" for n in [8000, 6000, 4000, 2000, 1000, 500] * 40))
+    out = tmp_path / "plan.json"
+    argv = ["--lengths", str(lengths), "--model", "llama2-7b", "--cluster", "h200x8", "--global-batch-tokens",
+            "131072", "--max-seq-len", "8192", "--iterations", "2", "--quiet", "--out", str(out)]
+    flags = ["--dcp-uneven-stages", "on", "--dcp-layer-strategies", "on"]
+    assert plan_cli.main(argv + flags) == 0
+    assert plan_cli.main(argv + flags + ["--planner", "static"]) == 0
+    assert seen == [("adaptive", {"layer_strategies": "on", "uneven_stages": "on"}), ("static", {})]
+    assert plan_cli.main(argv + flags) == 0
+    for it in Plan.load(str(out)).iterations:
+        validate_iteration(it, 8, 32, 32, 32)
+    assert plan_cli.main(argv) == 0
+    assert json.loads(out.read_text())["schema"] == "dcp-plan/v1"

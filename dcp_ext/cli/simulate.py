@@ -47,7 +47,8 @@ def run(args) -> dict:
         planner = make_planner(name, model, cluster, max_seq_len=args.max_seq_len,
                                global_batch_tokens=args.global_batch_tokens, length_sample=truncated,
                                profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
-                               progress=not args.quiet, **planner_options(name, args))
+                               progress=not args.quiet, **planner_options(name, args),
+                               **(getattr(args, "extra_options", None) or {}).get(name, {}))
         build_s = time.perf_counter() - t0
         if name == names[0] and planner.cm.profile is not None:
             cm = planner.cm
@@ -96,13 +97,29 @@ def run(args) -> dict:
             "options": planner_options(name, args),
         }
     lb_cm = cm
-    lbs = []
-    with Progress("lower bound", total=len(bs), unit="it", enabled=not args.quiet) as bar:
-        for ids in bs:
-            lbs.append(lower_bound(lb_cm, truncated[ids].tolist()))
-            bar.update(1)
-    results["lower_bound_s"] = lbs
+    lbs = getattr(args, "lower_bounds", None)  # a caller that already has them (benchmarks)
+    if lbs is None:
+        lbs = []
+        with Progress("lower bound", total=len(bs), unit="it", enabled=not args.quiet) as bar:
+            for ids in bs:
+                lbs.append(lower_bound(lb_cm, truncated[ids].tolist()))
+                bar.update(1)
+    results["lower_bound_s"] = list(lbs)
     results["lower_bound_mean_s"] = float(np.mean(lbs))
+    # plans with layer strategies or uneven stages are bounded by the widened bound only
+    v2 = any(r.get("options") for r in results["planners"].values())
+    lbs2 = getattr(args, "lower_bounds_v2", None) if v2 else None
+    if v2 and lbs2 is None:
+        from dcp_ext.planning.bound_v2 import lower_bound_v2
+
+        lbs2 = []
+        with Progress("lower bound (v2)", total=len(bs), unit="it", enabled=not args.quiet) as bar:
+            for ids in bs:
+                lbs2.append(lower_bound_v2(lb_cm, truncated[ids].tolist()))
+                bar.update(1)
+    if v2:
+        results["lower_bound_v2_s"] = list(lbs2)
+        results["lower_bound_v2_mean_s"] = float(np.mean(lbs2))
     static = results["planners"].get("static", {}).get("mean_s")
     for name, r in results["planners"].items():
         if r.get("failed"):
@@ -111,6 +128,9 @@ def run(args) -> dict:
         r["speedup_vs_static"] = static / r["mean_s"] if static else None
         r["gap_to_bound"] = float(np.mean(np.asarray(r["times_s"]) / np.asarray(lbs)) - 1)
         r["min_ratio_to_bound"] = float(np.min(np.asarray(r["times_s"]) / np.asarray(lbs)))
+        if v2:
+            r["gap_to_bound_v2"] = float(np.mean(np.asarray(r["times_s"]) / np.asarray(lbs2)) - 1)
+            r["min_ratio_to_bound_v2"] = float(np.min(np.asarray(r["times_s"]) / np.asarray(lbs2)))
     if args.timeline:
         from dcp_ext.planning.timeline import render_timeline
 
@@ -126,18 +146,26 @@ def run(args) -> dict:
 def format_table(results: dict) -> str:
     head = (f"{results['model']} on {results['cluster']}, {results['lengths']}, {results['iterations']} iterations of "
             f"{results['global_batch_tokens']} tokens, max-seq-len {results['max_seq_len']}; "
-            f"lower bound {results['lower_bound_mean_s']:.3f} s/iter\n"
+            f"lower bound {results['lower_bound_mean_s']:.3f} s/iter"
+            + (f" (v2 plans: {results['lower_bound_v2_mean_s']:.3f})" if "lower_bound_v2_mean_s" in results else "")
+            + "\n"
             f"(plan ms/iter: median wall time; plan cpu ms: median CPU time of the planning thread)")
     cols = ["planner", "mean s/iter", "vs static", "gap to bound", "plan ms/iter", "plan cpu ms", "peak mem/cap", "valid", "layouts"]
+    v2 = "lower_bound_v2_mean_s" in results
+    if v2:
+        cols[4:4] = ["gap to v2 bound", "layered mbs"]
     rows = []
     for name, r in results["planners"].items():
         if r.get("failed"):
-            rows.append([name, "cannot plan", "-", "-", "-", "-", "-", "NO", r["failed"]])
+            rows.append([name, "cannot plan", "-", "-"] + (["-", "-"] if v2 else []) + ["-", "-", "-", "NO", r["failed"]])
             continue
         sp = f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-"
-        rows.append([name, f"{r['mean_s']:.3f}", sp, f"{100 * r['gap_to_bound']:.1f}%", f"{r['plan_ms_median']:.1f}",
-                     f"{r['plan_cpu_ms_median']:.1f}", f"{r['peak_memory_fraction']:.2f}", "yes" if r["valid"] else "NO",
-                     str(r["distinct_layouts"])])
+        row = [name, f"{r['mean_s']:.3f}", sp, f"{100 * r['gap_to_bound']:.1f}%", f"{r['plan_ms_median']:.1f}",
+               f"{r['plan_cpu_ms_median']:.1f}", f"{r['peak_memory_fraction']:.2f}", "yes" if r["valid"] else "NO",
+               str(r["distinct_layouts"])]
+        if v2:
+            row[4:4] = [f"{100 * r['gap_to_bound_v2']:.1f}%", f"{r['layered_micro_batches']}/{r['micro_batches']}"]
+        rows.append(row)
     w = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = lambda xs: "| " + " | ".join(x.ljust(w[i]) for i, x in enumerate(xs)) + " |"  # noqa: E731
     out = [head, "", line(cols), "|" + "|".join("-" * (x + 2) for x in w) + "|"]

@@ -25,7 +25,6 @@ model's own pieces:
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from functools import lru_cache
 from typing import Sequence
@@ -330,25 +329,7 @@ def micro_batch_stage_times(lp: LayerPrices, layout: Layout, split, stats: tuple
     return F[:, 0].tolist(), B[:, 0].tolist()
 
 
-def strategies_used(rep_micro_batches, home: Strategy) -> set[tuple[int, Strategy]]:
-    """(layer, strategy) pairs other than home that any micro-batch of a replica runs."""
-    out = set()
-    for mb in rep_micro_batches:
-        for st in mb.layer_strategies or ():
-            if (st.tp, st.cp) != tuple(home):
-                for layer in range(st.first, st.last + 1):
-                    out.add((layer, (st.tp, st.cp)))
-    return out
-
-
 def layer_local_params(cm: CostModel, tp: int) -> float:
     """Parameters of one layer on one rank at tensor parallelism tp (norms replicated)."""
     h = cm.model.hidden_size
     return (cm.model.layer_params - 2 * h) / tp + 2 * h
-
-
-def lcm_cp(strategies: Sequence[Strategy]) -> int:
-    out = 1
-    for _, cp in strategies:
-        out = math.lcm(out, cp)
-    return out

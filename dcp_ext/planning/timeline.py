@@ -13,7 +13,7 @@ import numpy as np
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
-from dcp_ext.planning.simulator import one_f_one_b
+from dcp_ext.planning.simulator import one_f_one_b, one_f_one_b_stages, replica_stage_times
 
 
 def timeline_rows(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]):
@@ -22,6 +22,14 @@ def timeline_rows(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]
     rows = []
     for k, rep in enumerate(it.replicas):
         lay = Layout(rep.tp, rep.cp, rep.pp)
+        sync = cm.sync_time(lay, R)
+        pull = sync * cm.model.param_bytes / (cm.model.param_bytes + cm.model.grad_reduce_bytes)
+        label = f"r{k} {rep.replica_type.label() if rep.stage_layers else lay} ranks {rep.ranks[0]}-{rep.ranks[-1]}"
+        if rep.uses_v2():  # stages of their own (uneven, layer strategies)
+            sf, sb = replica_stage_times(cm, rep, length_of)
+            res = one_f_one_b_stages(sf, sb, lay.pp, record=True)
+            rows.append((label, pull, res.events, pull + res.makespan, sync + res.makespan))
+            continue
         fwd, bwd = [], []
         for mb in rep.micro_batches:
             v = np.array([length_of[i] for i in mb.sample_ids], dtype=float)
@@ -29,10 +37,7 @@ def timeline_rows(cm: CostModel, it: IterationPlan, length_of: Mapping[int, int]
             f, b = cm.coeffs(lay, rs).mb_fwd_bwd(float(v @ v), float(v.sum()), len(v))
             fwd.append(f)
             bwd.append(b)
-        sync = cm.sync_time(lay, R)
-        pull = sync * cm.model.param_bytes / (cm.model.param_bytes + cm.model.grad_reduce_bytes)
         res = one_f_one_b(fwd, bwd, lay.pp, record=True)
-        label = f"r{k} {lay} ranks {rep.ranks[0]}-{rep.ranks[-1]}"
         rows.append((label, pull, res.events, pull + res.makespan, sync + res.makespan))
     return rows
 

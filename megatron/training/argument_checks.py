@@ -136,8 +136,8 @@ def validate_args(args: argparse.Namespace) -> None:
     need(args.dcp_device_memory is None or args.dcp_device_memory_gb is None,
          "--dcp-device-memory and --dcp-device-memory-gb both give the device memory: keep one")
     for flag in ("dcp_layer_strategies", "dcp_uneven_stages"):
-        need(not getattr(args, flag, False) or (args.dcp and args.dcp_planner == "adaptive"),
-             f"{_flag(flag)} is a choice of the adaptive planner: add --dcp (with --dcp-planner adaptive) or drop it")
+        need(getattr(args, flag, "off") != "on" or (args.dcp and args.dcp_planner == "adaptive"),
+             f"{_flag(flag)} on is a choice of the adaptive planner: add --dcp (with --dcp-planner adaptive) or drop it")
     need(args.min_lr <= args.lr, f"--min-lr {_show(args.min_lr)} is above --lr {_show(args.lr)}: the decay would raise it")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     need(min(tp, pp, cp) >= 1, "parallel sizes must be >= 1")

@@ -188,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-recalibration", choices=["on", "off"], default="on",
                    help="refit the cost model from the run's own timings as it trains (off: the prices stay "
                         "the analytic or --dcp-cost-profile ones, so plans are bit-reproducible)")
-    g.add_argument("--dcp-layer-strategies", action="store_true",
+    g.add_argument("--dcp-layer-strategies", choices=["on", "off"], default="off",
                    help="ParaDySe: the adaptive planner may run each layer of a micro-batch under its own "
                         "re-factoring (tp, cp) of its replica's tp*cp ranks (plan contract v2)")
-    g.add_argument("--dcp-uneven-stages", action="store_true",
+    g.add_argument("--dcp-uneven-stages", choices=["on", "off"], default="off",
                    help="OmniBal: the adaptive planner splits each pipelined layout's layers by the cost model "
                         "(the first and last stages also carry the embedding and the logits)")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",

@@ -153,8 +153,7 @@ def planner_options(args) -> dict:
     itself; dynamic-cp and dcp search their own (tp, pp) and size CP per sequence."""
     if args.dcp_planner == "adaptive":
         return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates,
-                **({"layer_strategies": True} if args.dcp_layer_strategies else {}),
-                **({"uneven_stages": True} if args.dcp_uneven_stages else {})}
+                **{k: "on" for k in ("layer_strategies", "uneven_stages") if getattr(args, f"dcp_{k}") == "on"}}
     if args.dcp_planner == "hydraulis":
         return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates}
     if args.dcp_planner == "static":
@@ -276,7 +275,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         exchange=args.dcp_exchange, overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
         bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
-        layer_strategies=bool(args.dcp_layer_strategies),
+        layer_strategies=args.dcp_layer_strategies == "on",
     )
     held = engine.persistent_bytes()
     print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "

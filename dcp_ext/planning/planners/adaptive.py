@@ -199,14 +199,30 @@ class AdaptivePlanner(PlannerBase):
         return layer_prices(self.cm)
 
     def _v2(self, prep: BatchPrep, reps: list[PackedReplica]) -> list[PackedReplica]:
-        """The plan contract v2 pass over one candidate's replicas (`layer_plan.plan_v2`)."""
+        """The plan contract v2 pass over the chosen plan's replicas (`layer_plan.plan_v2`):
+        every pipelined replica gets its layout's stage split (priced and fitted per stage);
+        layer strategies then go to the slowest replica, then the next slowest, while that
+        lowers the iteration's time (the slowest replica decides it: once it cannot get
+        faster, no other replica's moves would change the plan's time)."""
         if self.layer_strategies == "off" and not self.cm.stage_splits:
             return reps
         from dcp_ext.planning.planners.layer_plan import plan_v2
 
         R = len(reps)
-        return [plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list,
-                        self.cm.stage_splits.get(r.layout), R, self.layer_strategies == "on") for r in reps]
+        out = [plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list,
+                       self.cm.stage_splits.get(r.layout), R, False) for r in reps]
+        if self.layer_strategies == "off":
+            return out
+        tried: set[int] = set()
+        while len(tried) < R:
+            k = max((i for i in range(R) if i not in tried), key=lambda i: (out[i].time_s, -i))
+            tried.add(k)
+            r = out[k]
+            new = plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list, r.stage_layers, R, True)
+            if new.time_s >= r.time_s:
+                break
+            out[k] = new
+        return out
 
     def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
         """The static layout's entry joins the pool (first), displacing the last entry the
@@ -330,7 +346,7 @@ class AdaptivePlanner(PlannerBase):
         plans = {}
         for i in pick:
             t_est, c, order, bounds = est[i]
-            reps = self._v2(prep, self._full_plan(prep, c, order, bounds))
+            reps = self._full_plan(prep, c, order, bounds)
             plans[i] = (max(r.time_s for r in reps), reps)
         if self._use_assign:
             # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
@@ -338,7 +354,6 @@ class AdaptivePlanner(PlannerBase):
             i = min(plans, key=lambda i: (plans[i][0], i))
             alt = self._assign_plan(prep, est[i][1], est[i][0])
             if alt is not None:
-                alt = self._v2(prep, alt)
                 t_alt = max(r.time_s for r in alt)
                 if t_alt < plans[i][0]:
                     plans[i] = (t_alt, alt)
@@ -353,7 +368,9 @@ class AdaptivePlanner(PlannerBase):
                 if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
                     best = cur_i
         self._current = self.pool.layouts[best]
-        return to_iteration_plan(index, sample_ids, plans[best][1], self.cm)
+        # the plan contract v2 pass (layer strategies, uneven stages) on the chosen plan only:
+        # it never makes a replica slower, and the choice above stays the v1 planner's
+        return to_iteration_plan(index, sample_ids, self._v2(prep, plans[best][1]), self.cm)
 
     # ------------------------------------------------------------------ one layout in full
     def _full_plan(self, prep: BatchPrep, counts: LayoutMix, order, bounds: list[int]) -> list[PackedReplica]:

@@ -179,58 +179,49 @@ class ReplicaV2:
                     worst, culprit = over[j], (max(span, key=lambda i: kb[i]) if span else -1)
         return worst, culprit
 
+    def may_gain(self, s, k: int, adopt, gain, lvl) -> bool:
+        """Whether an option can be faster at all (pp == 1): the adopters' gain at their
+        recompute against the least that the micro-batches its memory squeezes must pay
+        (each raises its recompute by a layer or more: at least one layer's forward)."""
+        if np.any(adopt & (lvl > 0)):
+            return True  # memory first: an adopter's recompute may drop
+        over = self.peak(s, k, adopt, lvl, per_mb=True)
+        squeezed = over > 0
+        if not squeezed.any():
+            return True
+        fs = self.alt(s)[0]
+        return float(gain[adopt].sum()) > float(np.minimum(self.fh, fs)[squeezed].sum())
+
     def refit(self, s, k: int, adopt, lvl, lower=()) -> np.ndarray | None:
         """Recompute levels that fit: lowered first for the micro-batches in `lower` (to the
-        least level that still fits, by bisection: the fit is monotone in the level), then
-        raised where memory overflows."""
+        least level that still fits: the fit is monotone in the level), then raised where
+        memory overflows. None if even full recompute does not fit."""
         lvl = lvl.copy()
         lower = [i for i in lower if lvl[i] > 0]
+        if self.pp == 1:
+            # one stage, one micro-batch at a time: every micro-batch at every level, at once
+            nlev = len(self.levels)
+            grid = np.broadcast_to(np.arange(nlev)[:, None], (nlev, self.m))
+            fits = self.peak(s, k, adopt, grid, per_mb=True) <= 0
+            if not fits[-1].all():
+                return None
+            least = np.argmax(fits, axis=0)
+            out = np.maximum(lvl, least)
+            if lower:
+                out[lower] = least[lower]
+            return out
         if not lower and self.peak(s, k, adopt, lvl)[0] <= 0:
             return lvl
-        if lower and self.pp == 1:
-            # one stage, one micro-batch at a time: every micro-batch on its own, all at once
-            idx = np.asarray(lower)
-            lo, hi = np.zeros(len(idx), dtype=np.int64), lvl[idx].copy()
-            while np.any(lo < hi):
+        for i in lower:
+            lo, hi = 0, int(lvl[i])
+            while lo < hi:
                 mid = (lo + hi) // 2
-                trial = lvl.copy()
-                trial[idx] = mid
-                ok = self.peak(s, k, adopt, trial, per_mb=True)[idx] <= 0
-                hi = np.where(ok, mid, hi)
-                lo = np.where(ok | (lo >= hi), lo, mid + 1)
-                lo = np.minimum(lo, hi)
-            lvl[idx] = hi  # the least level that fits (or the old one: raised below if it does not)
-        else:
-            for i in lower:
-                lo, hi = 0, int(lvl[i])
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lvl[i] = mid
-                    if self.peak(s, k, adopt, lvl)[0] <= 0:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                lvl[i] = hi
-        if self.pp == 1:
-            # raise each overflowing micro-batch to the least level that fits, all at once
-            over = self.peak(s, k, adopt, lvl, per_mb=True)
-            idx = np.nonzero(over > 0)[0]
-            if len(idx):
-                top = len(self.levels) - 1
-                trial = lvl.copy()
-                trial[idx] = top
-                if np.any(self.peak(s, k, adopt, trial, per_mb=True)[idx] > 0):
-                    return None
-                lo, hi = lvl[idx] + 1, np.full(len(idx), top)
-                while np.any(lo < hi):
-                    mid = (lo + hi) // 2
-                    trial = lvl.copy()
-                    trial[idx] = mid
-                    ok = self.peak(s, k, adopt, trial, per_mb=True)[idx] <= 0
-                    hi = np.where(ok, mid, hi)
-                    lo = np.minimum(np.where(ok, lo, mid + 1), hi)
-                lvl[idx] = hi
-            return lvl
+                lvl[i] = mid
+                if self.peak(s, k, adopt, lvl)[0] <= 0:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            lvl[i] = hi
         for _ in range(self.m * len(self.levels) + 1):
             over, i = self.peak(s, k, adopt, lvl)
             if over <= 0:
@@ -315,6 +306,9 @@ def plan_v2(cm: CostModel, lp: LayerPrices, tt: TypeTable, rep: PackedReplica, s
                 for adopt in variants:
                     if not adopt.any():
                         continue
+                    if R.pp == 1 and not R.may_gain(st, k, adopt, gain, base_lvl):
+                        raised = True  # memory binds: a smaller block may still gain
+                        continue
                     lower = sorted(np.nonzero(adopt & (base_lvl > 0))[0].tolist(), key=lambda i: -R.T[i])
                     lvl = R.refit(st, k, adopt, base_lvl, lower)
                     if lvl is None:
@@ -329,6 +323,7 @@ def plan_v2(cm: CostModel, lp: LayerPrices, tt: TypeTable, rep: PackedReplica, s
     t, st, k, adopt, lvl = best
     if split is None and st is None:
         return rep
+    R.base_lvl = base_lvl
     return _exact(cm, lp, R, rep, st, k, adopt, lvl, base_t if st is not None else None)
 
 
@@ -360,7 +355,6 @@ def _exact(cm, lp, R: ReplicaV2, rep: PackedReplica, st, k, adopt, lvl, beat: fl
     if beat is not None and (t >= beat * (1 - 1e-9) or peak > cm.capacity_bytes * (1 + 1e-9)):
         if R.split is None:
             return rep
-        no = np.zeros(R.m, dtype=bool)
-        return _exact(cm, lp, R, rep, None, 0, no, R.refit(None, 0, no, R.lvl0), None)
+        return _exact(cm, lp, R, rep, None, 0, np.zeros(R.m, dtype=bool), R.base_lvl, None)
     return PackedReplica(R.layout, list(rep.ranks), mbs, t, pipe, R.sync, peak, stage_layers=R.split,
                          layer_strategies=strategies)
