@@ -17,8 +17,8 @@ fast heuristic in ParaDySe's spirit, memory first and then time:
     a second variant also lets every micro-batch that needs recompute adopt a
     memory-frugal s (one whose layers keep fewer bytes), so moving layers can replace recompute;
   * memory: the option's extra parameters are charged on every stage, then recompute is
-    lowered where the option frees memory (adopters first, largest first: moving layers
-    before recomputing) and raised where it overflows (as `fit_memory`, by the exact
+    lowered where the option frees memory (adopters first: moving layers before
+    recomputing) and, on one-stage replicas, raised where it overflows (by the exact
     per-stage accounting of `layer_memory`); an option that cannot fit is dropped;
   * time: the option's exact 1F1B makespan (every stage its own times) plus sync; the
     fastest option is kept only if it is faster than the replica without layer strategies
@@ -32,6 +32,7 @@ the planner emits no layer strategies (the checks by documents would multiply).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -42,7 +43,7 @@ from dcp_ext.planning.layer_cost import LayerPrices, layer_local_params, refacto
 from dcp_ext.planning.layer_memory import replica_peak_v2
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import LayerStrategy
-from dcp_ext.planning.planners.common import PackedReplica, TypeTable
+from dcp_ext.planning.planners.common import PackedReplica, PlanningError, TypeTable
 from dcp_ext.planning.simulator import one_f_one_b_stages
 
 
@@ -195,7 +196,7 @@ class ReplicaV2:
     def refit(self, s, k: int, adopt, lvl, lower=()) -> np.ndarray | None:
         """Recompute levels that fit: lowered first for the micro-batches in `lower` (to the
         least level that still fits: the fit is monotone in the level), then raised where
-        memory overflows. None if even full recompute does not fit."""
+        memory overflows (one stage; pipelines: not raised). None if nothing fits."""
         lvl = lvl.copy()
         lower = [i for i in lower if lvl[i] > 0]
         if self.pp == 1:
@@ -212,16 +213,25 @@ class ReplicaV2:
             return out
         if not lower and self.peak(s, k, adopt, lvl)[0] <= 0:
             return lvl
-        for i in lower:
-            lo, hi = 0, int(lvl[i])
+        if lower:
+            # pipelines (windows couple the micro-batches): the largest decrement that fits
+            # for all of them together, by bisection
+            idx = np.asarray(lower)
+            lo, hi = 0, int(lvl[idx].max())
             while lo < hi:
-                mid = (lo + hi) // 2
-                lvl[i] = mid
-                if self.peak(s, k, adopt, lvl)[0] <= 0:
-                    hi = mid
+                mid = (lo + hi + 1) // 2
+                trial = lvl.copy()
+                trial[idx] = np.maximum(0, lvl[idx] - mid)
+                if self.peak(s, k, adopt, trial)[0] <= 0:
+                    lo = mid
                 else:
-                    lo = mid + 1
-            lvl[i] = hi
+                    hi = mid - 1
+            lvl[idx] = np.maximum(0, lvl[idx] - lo)
+        if s is not None:
+            # pipelines: an option must fit at the recompute it has (lowered or not): raising
+            # recompute window by window costs more planning time than such options gain
+            return lvl if self.peak(s, k, adopt, lvl)[0] <= 0 else None
+        # the replica itself on its stage split: raise where the fullest window overflows
         for _ in range(self.m * len(self.levels) + 1):
             over, i = self.peak(s, k, adopt, lvl)
             if over <= 0:
@@ -269,6 +279,8 @@ def plan_v2(cm: CostModel, lp: LayerPrices, tt: TypeTable, rep: PackedReplica, s
     lay = Layout(*rep.layout)
     split = tuple(split) if split and lay.pp > 1 else None
     if not rep.micro_batches or cm.quadratic(lay):
+        if split is not None and not cm.quadratic(lay):  # an idle replica still runs its type
+            return dataclasses.replace(rep, stage_layers=split)
         return rep
     if split is None and (not layer_strategies or lay.tp * lay.cp == 1):
         return rep
@@ -276,8 +288,8 @@ def plan_v2(cm: CostModel, lp: LayerPrices, tt: TypeTable, rep: PackedReplica, s
     no = np.zeros(R.m, dtype=bool)
     if split is not None:
         lvl = R.refit(None, 0, no, R.lvl0)
-        if lvl is None:
-            return rep  # cannot happen for splits chosen by stage_split; keep the even replica
+        if lvl is None:  # cannot happen for splits chosen by stage_split (full recompute fits)
+            raise PlanningError(f"{lay} replica: its micro-batches do not fit its stage split {split}")
         base_lvl = lvl
         base_t = R.makespan(*R.times(None, 0, no, lvl)) + R.sync
     else:
