@@ -113,21 +113,7 @@ def one_f_one_b(fwd: Sequence[float], bwd: Sequence[float], pp: int, record: boo
                 ev.append((0, i, "B", t + fwd[i], t + fwd[i] + bwd[i]))
             t += fwd[i] + bwd[i]
         return PipelineResult(t, ev)
-    st, mb, kd, dp = _schedule(m, pp)
-    end = [0.0] * len(st)
-    clock = [0.0] * pp
-    events = []
-    for k in range(len(st)):
-        j, i, dep = st[k], mb[k], dp[k]
-        start = clock[j]
-        if dep >= 0 and end[dep] > start:
-            start = end[dep]
-        e = start + (bwd[i] if kd[k] else fwd[i])
-        end[k] = e
-        clock[j] = e
-        if record:
-            events.append((j, i, "B" if kd[k] else "F", start, e))
-    return PipelineResult(max(clock), events)
+    return one_f_one_b_stages([fwd] * pp, [bwd] * pp, pp, record)
 
 
 def one_f_one_b_stages(fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]], pp: int,
