@@ -345,8 +345,8 @@ class AdaptiveEngine:
                                            for s in mb.layer_strategies or ()}
         cp = math.lcm(*(c for _, c in strategies))
         each = 2 * cp if cp > 1 else 1
-        sp = self.sequence_parallel and any(t > 1 for t, _ in strategies)
-        total = rep.tp * rep.cp if (stage.sequence_parallel or sp) else 1
+        sp = self.sequence_parallel and any(t > 1 for t, _ in strategies)  # the home one included
+        total = rep.tp * rep.cp if sp else 1
         return each, total
 
     def train_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
@@ -412,7 +412,7 @@ class AdaptiveEngine:
         if not any(n for per_replica in needs for n in per_replica):
             needs = ()
         key = (it.layout_key(), tuple((r.replica_type, n) for r, n in zip(it.replicas, needs))) if needs else it.layout_key()
-        return self.exchange.plan(key, switched_layout(it, needs, self._all_runs, self._alt_runs, self.world))
+        return self.exchange.plan(key, lambda: switched_layout(it, needs, self._all_runs, self._alt_runs, self.world))
 
     def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),

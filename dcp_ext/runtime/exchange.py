@@ -132,8 +132,11 @@ class ParamExchange:
     def persistent_bytes(self) -> int:
         return 2 * self.slot_bytes * len(self._slots)
 
-    def plan(self, key, layout: Sequence[StageRuns]) -> LayoutPlan:
+    def plan(self, key, layout) -> LayoutPlan:
+        """The cached plan of layout `key`; `layout`: every rank's StageRuns, or a function
+        returning them (called only when the plan is not cached)."""
         if key not in self._plans:
+            layout = layout() if callable(layout) else layout
             if len(self._plans) >= 256:  # long runs with many layouts: keep the recent ones
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = LayoutPlan(self.sharding, self.rank, layout)

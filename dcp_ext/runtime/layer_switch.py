@@ -59,7 +59,7 @@ def build_route(held_from: list[torch.Tensor], held_to: list[torch.Tensor], me: 
     """held_*[i]: tokens stage rank i holds before / after; `order[g]`: the stage index of
     group rank g. A token a destination already holds comes from itself; otherwise from its
     first holder."""
-    total = int(max(max(int(p.max()) for p in held_from if p.numel()), max(int(p.max()) for p in held_to if p.numel()))) + 1
+    total = 1 + max(int(p.max()) for p in held_from + held_to if p.numel())
     n = len(held_from)
     local = torch.full((n, total), -1, dtype=torch.int64)
     for i, p in enumerate(held_from):

@@ -57,16 +57,19 @@ class AltStage:
     layers: list[list[LocalParam]]  # per stage-local layer; offsets relative to the layer
     shapes: dict[int, torch.Size] = field(default_factory=dict)
     buckets: list[list[list[int]]] = field(default_factory=list)  # per layer, per parameter: push buckets
+    bound: set[int] = field(default_factory=set)  # layers bound now
 
     def layer_numel(self, k: int) -> int:
         return sum(lp.numel for lp in self.layers[k])
 
-    def unbind(self, like: torch.Tensor) -> None:
-        """Hold no memory: every parameter empty until an iteration binds its layer."""
-        for per_layer in self.layers:
-            for lp in per_layer:
+    def unbind(self, like: torch.Tensor, every: bool = False) -> None:
+        """Hold no memory: the bound layers' (`every`: all) parameters empty until an
+        iteration binds their layer again."""
+        for k in range(len(self.layers)) if every else sorted(self.bound):
+            for lp in self.layers[k]:
                 lp.param.data = like.new_empty(0)
                 lp.param.main_grad = None
+        self.bound.clear()
 
     def bind(self, k: int, params: torch.Tensor, main_grads: torch.Tensor, offset: int) -> int:
         """Layer k's parameters as views of the buffers from `offset`; returns the end."""
@@ -74,6 +77,7 @@ class AltStage:
             shape = self.shapes[id(lp.param)]
             lp.param.data = params[offset + lp.offset : offset + lp.offset + lp.numel].view(shape)
             lp.param.main_grad = main_grads[offset + lp.offset : offset + lp.offset + lp.numel].view(shape)
+        self.bound.add(k)
         return offset + self.layer_numel(k)
 
 
@@ -141,7 +145,7 @@ def build_alternative(engine, rep: ReplicaType, build_model) -> AltStage:
             lp.param.register_post_accumulate_grad_hook(engine._grad_hook(lp, buckets))
     for module, buckets in engine._module_buckets(model, local):
         module.register_forward_pre_hook(engine._pull_hook(max(buckets)))
-    alt.unbind(engine.params)
+    alt.unbind(engine.params, every=True)
     return alt
 
 
