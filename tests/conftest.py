@@ -53,6 +53,13 @@ def leftover_processes(mark: str) -> list:
     return alive
 
 
+def pytest_configure(config):
+    """The tier rule (tests/tiers.py): only `dist` tests start processes."""
+    from tests import tiers
+
+    tiers.register(config)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
     import psutil

@@ -6,6 +6,8 @@ import pytest
 from tests.conftest import TINY_MODEL
 from tests.helpers import run_ranks
 
+pytestmark = pytest.mark.dist
+
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1"]
 
 

@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 
+import pytest
+
 from dcp_ext.data import demo_corpus
 from dcp_ext.data.demo_corpus import ensure_demo_corpus, stdlib_files
 from dcp_ext.data.indexed import IndexedDocuments
@@ -22,6 +24,7 @@ def test_selection_is_sorted_real_sources():
     assert all(f.endswith(".py") and "/test/" not in f and "site-packages" not in f for f in files)
 
 
+@pytest.mark.dist
 def test_built_once_under_concurrent_calls(tmp_path, monkeypatch):
     calls = tmp_path / "calls"
     orig = demo_corpus._build

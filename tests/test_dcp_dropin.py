@@ -226,12 +226,14 @@ def _run_equivalence(extra, decoupled=None, update_tol=2e-3):
     return r
 
 
+@pytest.mark.dist
 def test_sgd_under_dcp_matches_static_sgd():
     # (AdamW at lr 0.3, what --dcp ran before, diverges here: loss 7.8 after 3 steps)
     r = _run_equivalence(["--optimizer", "sgd", "--sgd-momentum", "0.8", "--lr", "0.3"])
     assert r["runtime"][-1][0] < 5.4, r
 
 
+@pytest.mark.dist
 def test_adam_betas_and_decoupled_lr_under_dcp_match_megatron_core():
     # Adam's first steps move each weight by about lr * sign(grad): the static norm's offset
     # (above) flips a few near-zero ones, so the update agrees to ~0.3%, the losses to 1e-5
@@ -301,6 +303,7 @@ def _sgd_resume_worker(rank, world):
             "momentum_matters": not torch.allclose(fresh.master(), b.master())}
 
 
+@pytest.mark.dist
 def test_sgd_momentum_survives_a_checkpoint_round_trip():
     (r,) = run_ranks(1, fn=_sgd_resume_worker)
     assert r["resumed"] and r["steps"] == 3

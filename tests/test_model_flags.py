@@ -272,6 +272,7 @@ def test_bf16_layernorm_tp2_with_zero_centred_and_qk_norms(text_corpus, tmp_path
     assert SP_WARNING not in r.stdout  # TP2 keeps sequence parallelism
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="what a CPU-only machine says")
 @pytest.mark.parametrize("flags,needle", [
     (["--fp8-format", "hybrid"], "--fp8-format hybrid needs transformer-engine on a GPU with FP8 (compute "

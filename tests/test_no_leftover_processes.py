@@ -7,11 +7,19 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from tests.helpers import REPO
+
+pytestmark = pytest.mark.dist
 
 LEAKY = '''
 import subprocess, sys
 
+import pytest
+
+
+@pytest.mark.dist
 def test_leaks(tmp_path):
     # the parent exits at once: the sleeper is reparented, no longer anyone's descendant here
     code = ("import os, sys, time\\nif os.fork(): os._exit(0)\\n"

@@ -9,6 +9,8 @@ import torch
 from tests.conftest import TINY_MODEL
 from tests.helpers import read_plan_log, run_ranks
 
+pytestmark = pytest.mark.dist
+
 
 class _Replica:
     def __init__(self, n_mb, pp):

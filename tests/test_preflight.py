@@ -3,6 +3,8 @@ check itself changes nothing (the end-to-end rows are in test_bad_inputs_table.p
 import argparse
 import os
 
+import pytest
+
 from megatron.training import preflight
 
 
@@ -61,6 +63,7 @@ def _two_ranks(rank, world_size, root):
     return None
 
 
+@pytest.mark.dist
 def test_all_ranks_stop_with_the_same_line(tmp_path):
     """Only the last rank writes --loss-log; rank 0 stops too, with its line, not at a later collective."""
     from tests.helpers import run_ranks

@@ -37,7 +37,7 @@ def preprocess(tmp_path, *flags, objs=None, name="c"):
     (["--tokenizer-type", "ByteLevelTokenizer"], dict(tokenizer_type="ByteLevelTokenizer")),
     (["--tokenizer-type", "GPT2BPETokenizer"], "gpt2"),
 ])
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.dist)])
 def test_round_trip(tmp_path, flags, tok_kwargs, workers):
     if tok_kwargs == "gpt2":
         vf, mf, _ = make_gpt2_files(tmp_path)
@@ -121,6 +121,7 @@ def test_bad_records(tmp_path, objs, match):
         preprocess(tmp_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", objs=objs)
 
 
+@pytest.mark.dist
 def test_cli_errors_are_one_line_and_nonzero(tmp_path):
     cases = [(["--input", str(tmp_path / "missing.jsonl"), "--tokenizer-type", "ByteLevelTokenizer"],
               "--input not found: " + str(tmp_path / "missing.jsonl")),

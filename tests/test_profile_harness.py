@@ -27,6 +27,7 @@ def test_rejects_a_layout_the_model_cannot_take():
         setup(DEMO + ["--nproc", "4", "--layouts", "tp3cp1pp1"])  # 8 heads are not divisible by 3
 
 
+@pytest.mark.dist
 def test_profile_tiny_grid(tmp_path):
     out = tmp_path / "profile.json"
     # the demo model with 2 of its 4 layers timed: the DCP-style extrapolation path too

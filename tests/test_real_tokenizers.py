@@ -26,6 +26,7 @@ def preprocess(tmp_path, *flags):
     return IndexedDocuments(run(args)["text"])
 
 
+@pytest.mark.dist
 def test_huggingface_tokenizer_json_matches_the_library(tmp_path):
     tk = pytest.importorskip("tokenizers")
     tok = tk.Tokenizer(tk.models.BPE())
@@ -48,6 +49,7 @@ def test_huggingface_tokenizer_json_matches_the_library(tmp_path):
         assert ours.detokenize(docs.tokens(i)[:-1]) == tok.decode(want) == text  # byte-level: lossless
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "Llama2Tokenizer"])
 def test_sentencepiece_model_matches_the_library(tmp_path, tokenizer_type):
     spm = pytest.importorskip("sentencepiece")

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("parameters", "main_grads", "master", "grad_shard", "adam", "exchange")
 

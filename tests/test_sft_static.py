@@ -77,6 +77,7 @@ def test_static_samples_count_exactly_the_response_tokens(tmp_path):
     assert counted == sum(sum(m) for m in masks)
 
 
+@pytest.mark.dist
 def test_static_sft_prompt_change_leaves_training_unchanged(tmp_path):
     """Two runs whose data differ only in tokens no trainable position depends on (documents
     with no response, isolated by --reset-attention-mask) train identically, though the

@@ -242,6 +242,7 @@ def test_upstream_launch_lines_parse_and_their_refusals_are_listed(name, capsys)
         assert refused == []
 
 
+@pytest.mark.dist
 def test_fsdp_launch_line_ends_in_one_line_through_the_entry_point():
     argv = launch_line("llama3_8b_fsdp_h100_fp8.args")
     i = argv.index("--ckpt-format")  # fsdp_dtensor is the checkpoint part's choice to judge, not this table's

@@ -41,14 +41,37 @@ def install() -> bool:
         return False
     _patch_torch_cuda_module()
     _patch_device_arguments()
+    _run_compiled_helpers_eagerly()
     _patch_megatron_rng()
-    # megatron-core's fused helpers are wrapped in torch.compile (jit_fuser); inductor spends
-    # ~20 s per process compiling them for the CPU on the first step. Run them eagerly.
-    from torch._dynamo import config as dynamo_config
-
-    dynamo_config.disable = True
     _installed = True
     return True
+
+
+def _run_compiled_helpers_eagerly() -> None:
+    """megatron-core wraps its fused helpers in torch.compile (`jit_fuser`); inductor spends
+    ~20 s per process compiling them for the CPU on the first step, so they run eagerly here
+    (dynamo off). Wrapping them at all costs every rank ~2 s of its start (importing dynamo
+    and inductor for 38 wrappers that will never compile), so megatron-core is imported with
+    `torch.compile` as the identity, which is what a disabled compile amounts to."""
+    import os
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True
+    else:  # read by dynamo's config when something imports it later
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    if "megatron.core" in sys.modules:
+        return  # already imported with its wrappers: they run eagerly, dynamo being off
+    real_compile = torch.compile
+
+    def identity(model=None, **options):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = identity
+    try:
+        import megatron.core  # noqa: F401  (its fusions take jit_fuser = the identity)
+    finally:
+        torch.compile = real_compile
 
 
 def _cpu_device(device):
