@@ -53,6 +53,11 @@ def leftover_processes(mark: str) -> list:
     return alive
 
 
+def pytest_addoption(parser):
+    parser.addoption("--repin", action="store_true",
+                     help="re-pin the plans of tests/test_plan_digests.py that changed (and say what changed)")
+
+
 def pytest_configure(config):
     """The tier rule (tests/tiers.py): only `dist` tests start processes."""
     from tests import tiers

@@ -1,23 +1,28 @@
 """Plans are pinned: the planners' output on the shipped length files must not change.
 
 Why it exists: refactoring the planning code (moving modules, merging helpers) must leave
-every plan identical. Each case runs `dcp-plan` on one of the shipped length files (data/lengths) and
-compares the SHA-256 of the plan file with the digest recorded in
-tests/data/plan_digests.json. A deliberate change to planning re-records them with
-`python tests/test_plan_digests.py --update` and says why in its commit.
+every plan identical. Each case runs `dcp-plan` on one of the shipped length files
+(data/lengths) and compares the plan file, byte for byte, with the one pinned in
+tests/data/pinned_plans.json.gz (tests/plan_pins.py). A failure names the case and the
+first iteration, replica and micro-batch that differ, with the old and new predicted
+times. A deliberate change to planning re-pins in one step,
+`pytest tests/test_plan_digests.py --repin` (or `python tests/test_plan_digests.py --repin`),
+and says why in its commit.
 """
-import hashlib
 import json
 import os
 import sys
 
 import pytest
 
-from dcp_ext.cli import plan as plan_cli
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from dcp_ext.cli import plan as plan_cli  # noqa: E402
+from tests.plan_pins import describe_change, load_pins, save_pins  # noqa: E402
+
 LENGTHS = os.path.join(HERE, "..", "data", "lengths")  # the repo ships the files of ../shared/data/lengths
-DIGESTS = os.path.join(HERE, "data", "plan_digests.json")
 PLANNERS = ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis")
 SMALL = ("demo", "cpu-gloox4", 8192, 2048)
 FILES = ("code_python_cl100k.txt", "mooncake_conversation_input_tokens.txt", "arxiv_summarization_total_llama2.txt",
@@ -34,37 +39,62 @@ def case_ids():
     return [(planner, *c[:5]) for c in CASES for planner in c[5]]
 
 
-def plan_digest(tmp_dir, planner, lengths, model, cluster, gbt, msl) -> str:
+def plan_text(tmp_dir, planner, lengths, model, cluster, gbt, msl) -> str:
     out = os.path.join(tmp_dir, f"{planner}-{model}-{lengths}.json")
     rc = plan_cli.main(["--lengths", os.path.join(LENGTHS, lengths), "--model", model, "--cluster", cluster,
                         "--global-batch-tokens", str(gbt), "--max-seq-len", str(msl), "--iterations", "3",
                         "--planner", planner, "--out", out, "--quiet"])
     assert rc == 0
-    with open(out, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    with open(out) as f:
+        return f.read()
 
 
 def key(case) -> str:
     return "/".join(str(x) for x in case)
 
 
+@pytest.fixture(scope="module")
+def pins():
+    return load_pins()
+
+
+def check_pin(name: str, got: str, pins: dict, repin: bool, save=save_pins) -> str | None:
+    """None when the plan is the pinned one; with `repin`, pin it (and return what changed);
+    otherwise the failure message."""
+    want = pins.get(name)
+    if want == got:
+        return None
+    change = describe_change(want, got) if want is not None else "newly pinned"
+    if repin:
+        pins[name] = got
+        save(pins)
+        return f"re-pinned {name}:\n{change}"
+    if want is None:
+        return f"no plan pinned for {name}; run pytest tests/test_plan_digests.py --repin"
+    return (f"the plan of {name} changed:\n{change}\n"
+            "if the change is meant, re-pin: pytest tests/test_plan_digests.py --repin")
+
+
 @pytest.mark.skipif(not os.path.isdir(LENGTHS), reason="data/lengths not present")
 @pytest.mark.parametrize("case", case_ids(), ids=key)
-def test_plan_is_unchanged(case, tmp_path, capsys):
-    with open(DIGESTS) as f:
-        want = json.load(f)
-    assert key(case) in want, f"no digest recorded for {key(case)}; run python tests/test_plan_digests.py --update"
-    assert plan_digest(str(tmp_path), *case) == want[key(case)], f"the plan of {key(case)} changed"
+def test_plan_is_unchanged(case, tmp_path, pins, request):
+    repin = request.config.getoption("--repin")
+    message = check_pin(key(case), plan_text(str(tmp_path), *case), pins, repin)
+    if message and repin:
+        print("\n" + message)
+    elif message:
+        pytest.fail(message, pytrace=False)
 
 
-if __name__ == "__main__" and "--update" in sys.argv:
+def test_every_pin_belongs_to_a_case(pins):
+    assert sorted(pins) == sorted(key(c) for c in case_ids())
+
+
+if __name__ == "__main__" and "--repin" in sys.argv:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        table = {}
+        table = load_pins()
         for case in case_ids():
-            table[key(case)] = plan_digest(d, *case)
-            print(key(case), table[key(case)][:16], file=sys.stderr)
-    with open(DIGESTS, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
+            print(check_pin(key(case), plan_text(d, *case), table, repin=True) or f"{key(case)} unchanged",
+                  file=sys.stderr)
