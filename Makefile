@@ -1,6 +1,7 @@
 # Two entry points that work on a fresh machine with Python 3.11 and a C++ compiler:
 #   make demo   - trains the CPU demo (4 gloo ranks) on its embedded default
-#   make test   - runs the test suite
+#   make test   - runs the test suite (every tier; the 25 slowest tests and tier totals at the end)
+#   make test-fast - the unit tier only (one process per test, no ranks): ~2 min
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -25,6 +26,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -x --durations=25 tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not dist and not slow and not gpu" --durations=10 tests
 
 bench: install
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
