@@ -69,6 +69,9 @@ def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
     import psutil
 
+    from tests.entry_runner import close_shared
+
+    close_shared()  # the one-rank fork server (helpers.run_ranks)
     mark = os.environ[SESSION_MARK]
     deadline = time.time() + 3  # just-killed processes may take a moment to go
     alive = leftover_processes(mark)
@@ -153,11 +156,13 @@ def demo_cache(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def adaptive_demo(demo_cache, tmp_path_factory):
     """One uninterrupted 20-iteration adaptive run of the CPU demo on 4 ranks, the reference of
-    the runs that restart or resume it: (loss records, plan records by index)."""
+    the runs that restart or resume it: (loss records, plan records by index, its checkpoint
+    folder). It saves every 3 iterations (saving changes nothing it computes), so the tests
+    that resume a 4-rank checkpoint take theirs from here instead of a run of their own."""
     from tests.helpers import read_loss_log, read_plan_log, run_ranks
 
     root = tmp_path_factory.mktemp("adaptive_demo")
-    log, plans = str(root / "loss.jsonl"), str(root / "plans.jsonl")
-    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans))
+    log, plans, save = str(root / "loss.jsonl"), str(root / "plans.jsonl"), str(root / "ckpt")
+    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans) + ["--save", save, "--save-interval", "3"])
     assert r.returncode == 0, r.stderr[-3000:]
-    return read_loss_log(log), read_plan_log(plans)
+    return read_loss_log(log), read_plan_log(plans), save

@@ -15,13 +15,12 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import REPO, ForkServerClient, rank_env, reap_forked, run_ranks
+from tests.helpers import REPO, ForkServerClient, free_port, fresh_processes, rank_env, reap_ranks, run_fresh
 
 
 def _serve() -> None:
-    """Fork server: one JSON request a line on stdin -> run main() in a forked child."""
-    import runpy
-    import traceback
+    """Fork server: one JSON request a line on stdin -> run main() in `nproc` forked children
+    (ranks of one job, with the environment torchrun would give them)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -41,43 +40,63 @@ def _serve() -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.setsid()
-            code = 1
-            try:
-                os.environ.update(req["env"])
-                os.chdir(repo)
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(out, 1)
-                os.dup2(err, 2)
-                path = os.path.join(repo, req["entry"]) if req.get("entry") else entry
-                sys.argv = [path] + req["argv"]
-                try:
-                    runpy.run_path(path, run_name="__main__")
-                    code = 0
-                except SystemExit as e:
-                    if e.code is None:
-                        code = 0
-                    elif isinstance(e.code, int):
-                        code = e.code
-                    else:
-                        print(e.code, file=sys.stderr)
-                        code = 1
-                except BaseException:  # what the interpreter would print
-                    traceback.print_exc()
-                    code = 1
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        code, timed_out = reap_forked(pid, req["timeout"])
+        nproc = req.get("nproc", 1)
+        for path in (req["out"], req["err"]):  # every rank appends to the same two files
+            open(path, "w").close()
+        ranks = {}
+        port = str(free_port())
+        for rank in range(nproc):
+            env = dict(req["env"])
+            if nproc > 1:  # what torchrun --standalone --nproc_per_node=N sets for each worker
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                           GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            pid = os.fork()
+            if pid == 0:
+                _run_child(repo, entry, req, env)  # never returns
+            ranks[pid] = rank
+        code, timed_out = reap_ranks(list(ranks), req["timeout"])
         print(json.dumps({"code": code, "timed_out": timed_out}), flush=True)
+
+
+def _run_child(repo: str, entry: str, req: dict, env: dict) -> None:
+    """In a forked child: become the entry point (or a tool) with `req`'s argv, then exit."""
+    import runpy
+    import traceback
+
+    os.setsid()
+    code = 1
+    try:
+        os.environ.update(env)
+        os.chdir(repo)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        out = os.open(req["out"], os.O_WRONLY | os.O_APPEND)
+        err = os.open(req["err"], os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        path = os.path.join(repo, req["entry"]) if req.get("entry") else entry
+        sys.argv = [path] + req["argv"]
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # what the interpreter would print
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 class ForkRunner(ForkServerClient):
@@ -88,13 +107,17 @@ class ForkRunner(ForkServerClient):
         super().__init__(__file__, rank_env(), "fork server")
 
     def run(self, argv: list[str], env: dict | None = None, timeout: int = 180,
-            entry: str | None = None) -> subprocess.CompletedProcess:
+            entry: str | None = None, nproc: int = 1) -> subprocess.CompletedProcess:
         out = os.path.join(self.workdir, f"{self.count + 1}.out")
         err = os.path.join(self.workdir, f"{self.count + 1}.err")
         full_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
         reply = self.request({"argv": argv, "env": full_env, "out": out, "err": err, "timeout": timeout,
-                              "entry": entry})
-        return subprocess.CompletedProcess(argv, reply["code"], open(out).read(), open(err).read())
+                              "entry": entry, "nproc": nproc})
+        result = subprocess.CompletedProcess(argv, reply["code"], open(out).read(), open(err).read())
+        for path in (out, err):
+            os.remove(path)
+        result.timed_out = reply["timed_out"]
+        return result
 
 
 class FreshRunner:
@@ -102,7 +125,7 @@ class FreshRunner:
 
     def run(self, argv, env=None, timeout=180, entry=None):
         if entry is None:
-            return run_ranks(1, argv, env=env, timeout=timeout)
+            return run_fresh(1, argv, env=env, timeout=timeout)
         return subprocess.run([sys.executable, os.path.join(REPO, entry)] + argv, cwd=REPO, env=rank_env(env),
                               capture_output=True, text=True, timeout=timeout)
 
@@ -111,8 +134,32 @@ class FreshRunner:
 
 
 def make_runner(workdir: str):
-    """The fork server; a FreshRunner when BAD_INPUTS_FRESH is set."""
-    return FreshRunner() if os.environ.get("BAD_INPUTS_FRESH") else ForkRunner(workdir)
+    """The fork server; a FreshRunner when BAD_INPUTS_FRESH (or DCP_TESTS_FRESH) is set."""
+    return FreshRunner() if fresh_processes() else ForkRunner(workdir)
+
+
+_SHARED: ForkRunner | None = None
+
+
+def shared_runner() -> ForkRunner:
+    """One fork server for the session's one-rank runs (helpers.run_ranks(1, flags)), started
+    on first use; conftest closes it at the end of the session."""
+    global _SHARED
+    if _SHARED is None or _SHARED.proc.poll() is not None:
+        import tempfile
+
+        _SHARED = ForkRunner(tempfile.mkdtemp(prefix="dcp_one_rank_"))
+    return _SHARED
+
+
+def close_shared() -> None:
+    global _SHARED
+    if _SHARED is not None:
+        import shutil
+
+        _SHARED.close()
+        shutil.rmtree(_SHARED.workdir, ignore_errors=True)
+        _SHARED = None
 
 
 def run_case(runner, argv, env=None, timeout=180, entry=None):

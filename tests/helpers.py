@@ -68,11 +68,16 @@ def start_ranks(nproc: int, flags: list[str], out, err=subprocess.STDOUT, *, max
 
 
 def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tuple = (), env: dict | None = None,
-              timeout: int = 600):
+              timeout: int = 600, torchrun: bool = False):
     """Run a real job on `nproc` CPU gloo ranks and wait for it; give exactly one of:
 
-    flags: the real entry point, `pretrain_gpt_dcp.py FLAGS`, under torchrun (plain python for
-        one rank). Returns the CompletedProcess (exit code, stdout, stderr); a job past
+    flags: the real entry point, `pretrain_gpt_dcp.py FLAGS`: `main()` in `nproc` children
+        forked from the session's fork server (tests/entry_runner.py), each with the
+        environment torchrun gives a worker, and torchrun's rule when one fails (the others
+        get SIGTERM); the imports are paid once per session, not ~4 s per rank per run on 2
+        shared cores. `torchrun=True` (or DCP_TESTS_FRESH=1) runs it in fresh processes:
+        torchrun for several ranks, plain python for one; tests of what torchrun itself does
+        (its failure report, restarts, signals) use that. Returns the CompletedProcess (exit code, stdout, stderr); a job past
         `timeout` s is killed and raises subprocess.TimeoutExpired.
     fn: `fn(rank, world_size, *args)` in `nproc` freshly spawned processes, each with its gloo
         process group up (for tests that drive the runtime directly). Returns the ranks'
@@ -83,6 +88,39 @@ def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tupl
         raise TypeError("run_ranks takes flags or fn, not both")
     if fn is not None:
         return _run_function(nproc, fn, args, env or {}, timeout)
+    if not torchrun and not fresh_processes():
+        from tests.entry_runner import shared_runner
+
+        r = shared_runner().run(flags, env=env, timeout=timeout, nproc=nproc)
+        if r.timed_out:
+            raise subprocess.TimeoutExpired(ENTRY, timeout)
+        return r
+    return run_fresh(nproc, flags, env=env, timeout=timeout)
+
+
+def run_tool(script: str, argv: list[str], *, env: dict | None = None, timeout: int = 600):
+    """A console tool of this repository (`script` relative to it, e.g. tools/preprocess_data.py)
+    as its own process: forked from the session's fork server, or fresh with DCP_TESTS_FRESH=1.
+    Returns the CompletedProcess; past `timeout` s raises subprocess.TimeoutExpired."""
+    if fresh_processes():
+        return subprocess.run([sys.executable, os.path.join(REPO, script)] + argv, cwd=REPO, env=rank_env(env),
+                              capture_output=True, text=True, timeout=timeout)
+    from tests.entry_runner import shared_runner
+
+    r = shared_runner().run(argv, env=env, timeout=timeout, entry=script)
+    if r.timed_out:
+        raise subprocess.TimeoutExpired(script, timeout)
+    return r
+
+
+def fresh_processes() -> bool:
+    """DCP_TESTS_FRESH=1 (or BAD_INPUTS_FRESH=1): every one-rank run in a fresh interpreter,
+    not forked from the shared server (the check that forking changes nothing)."""
+    return bool(os.environ.get("DCP_TESTS_FRESH") or os.environ.get("BAD_INPUTS_FRESH"))
+
+
+def run_fresh(nproc: int, flags: list[str], *, env: dict | None = None, timeout: int = 600):
+    """The entry point in fresh processes: torchrun for several ranks, plain python for one."""
     # Output goes to files, not pipes, and the whole process group is killed afterwards:
     # dist-checkpointing starts a multiprocessing manager per rank that outlives a rank
     # killed mid-save and would otherwise hold a pipe open forever.
@@ -156,6 +194,50 @@ def read_plan_log(path: str) -> dict[int, dict]:
             it = json.loads(line)
             plans[it["index"]] = it
     return plans
+
+
+def reap_ranks(pids: list[int], timeout: float, poll: float = 0.05, grace: float = 10.0) -> tuple[int, bool]:
+    """Wait for the forked ranks of one job as torchrun does: all exit 0 -> 0; the first that
+    fails gives the job its exit code, and the others get SIGTERM, then SIGKILL after `grace`
+    s. Past `timeout` s every rank is killed -> (124, True). Each rank's process group (the
+    rank and whatever it started) is killed at the end."""
+    import time
+
+    deadline = time.time() + timeout
+    running, code, timed_out, term_at = set(pids), 0, False, None
+    while running:
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                rc = os.waitstatus_to_exitcode(status)
+                if rc != 0 and code == 0:
+                    code = rc
+                    term_at = time.time()
+                    for other in running:
+                        _signal_group(other, signal.SIGTERM)
+        if not running:
+            break
+        now = time.time()
+        if now >= deadline or (term_at is not None and now - term_at > grace):
+            timed_out = now >= deadline
+            for pid in running:
+                _signal_group(pid, signal.SIGKILL)
+            for pid in running:
+                os.waitpid(pid, 0)
+            running.clear()
+            break
+        time.sleep(poll)
+    for pid in pids:
+        _signal_group(pid, signal.SIGKILL)
+    return (124, True) if timed_out else (code, False)
+
+
+def _signal_group(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def reap_forked(pid: int, timeout: float, poll: float = 0.05) -> tuple[int, bool]:

@@ -688,7 +688,7 @@ def _worker_lines(stderr: str) -> list[str]:
 
 def test_layout_error_on_real_ranks(paths):
     argv = argv_for(Case("x", ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], ""), paths)
-    r = run_ranks(2, argv, timeout=180)
+    r = run_ranks(2, argv, timeout=180, torchrun=True)
     assert r.returncode != 0
     lines = _worker_lines(r.stderr)
     assert lines == ["error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2"], r.stderr[-3000:]

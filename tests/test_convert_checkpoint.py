@@ -16,27 +16,23 @@ embeddings: the last stage holds the output copy). Then:
   weights could not pass; bad requests end with one `error:` line.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import REPO, read_loss_log, run_ranks
+from tests.helpers import read_loss_log, run_ranks, run_tool
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = pytest.mark.dist
 
-TOOL = os.path.join(REPO, "tools", "convert_dcp_checkpoint.py")
+TOOL = "tools/convert_dcp_checkpoint.py"
 PAD = ["--make-vocab-size-divisible-by", "96"]  # 256 ids -> 288 rows at TP1, 384 at TP2 (and under --dcp)
 STATIC = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
           "--reset-attention-mask", "--reset-position-ids"]
 
 
 def convert(*flags, timeout=600):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, TOOL, *flags], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_tool(TOOL, list(flags), timeout=timeout)
 
 
 def vocab_flag(stdout: str) -> list[str]:

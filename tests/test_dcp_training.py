@@ -6,6 +6,9 @@ checkpoint saved on 4 ranks resumes exactly on 4 ranks and within float rounding
 on 8 ranks. The uninterrupted adaptive run (conftest's `adaptive_demo`) is the reference of
 every comparison.
 """
+import os
+import shutil
+
 import pytest
 
 from tests.conftest import demo_flags
@@ -27,15 +30,24 @@ def test_adaptive_switches_layouts_and_matches_static(demo_cache, adaptive_demo,
     assert adaptive[-1]["lm loss"] < adaptive[0]["lm loss"] - 0.5  # it learns
 
 
+def checkpoint_at(saved: str, iteration: int, into: str) -> str:
+    """A checkpoint folder holding only `saved`'s iteration `iteration` (Megatron's layout:
+    iter_NNNNNNN/ and the tracker naming it)."""
+    os.makedirs(into)
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(saved, name), os.path.join(into, name))
+    with open(os.path.join(into, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return into
+
+
 def test_adaptive_checkpoint_resumes_exactly_and_on_other_world_sizes(demo_cache, adaptive_demo, tmp_path):
-    save = str(tmp_path / "ckpt")
-    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 6, str(tmp_path / "first.jsonl")) +
-                  ["--save", save, "--save-interval", "3", "--exit-interval", "3"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    reference = adaptive_demo[0][3:6]
+    losses, _, saved = adaptive_demo
+    save = checkpoint_at(saved, 3, str(tmp_path / "ckpt"))  # saved on 4 ranks by the reference run
+    reference = losses[3:6]
     for nproc in (4, 2, 8):
         log = str(tmp_path / f"resume{nproc}.jsonl")
-        r = run_ranks(nproc, demo_flags(demo_cache, "adaptive", 6, log) + ["--load", save])
+        r = run_ranks(nproc, demo_flags(demo_cache, "adaptive", 20, log) + ["--load", save, "--exit-interval", "6"])
         assert r.returncode == 0, r.stderr[-3000:]
         resumed = read_loss_log(log)
         assert [x["iteration"] for x in resumed] == [4, 5, 6]

@@ -103,7 +103,7 @@ def test_upstream_line_trains_on_four_cpu_ranks(runnable, name, dcp, tmp_path):
         argv = drop_flags(argv, flag)
     log = str(tmp_path / "loss.jsonl")
     argv += ["--loss-log", log] + (["--dcp"] if dcp else [])
-    proc = run_ranks(4, argv, timeout=900)
+    proc = run_ranks(4, argv, timeout=900, torchrun=True)  # the drop-in claim: upstream's launcher
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["lm loss"] for r in read_loss_log(log)]
     assert len(losses) == 96 // 8, losses
