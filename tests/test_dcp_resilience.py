@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import demo_flags
 from tests.helpers import ENTRY, kill_tree, read_loss_log, read_plan_log, start_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a 12-iteration run killed and restarted: ~40 s
 
 
 def last_by_iteration(records):
