@@ -45,6 +45,15 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
                             "set MASTER_PORT to a free port, or pass torchrun --master-port") from None
 
 
+def shutdown_distributed() -> None:
+    """After a run that ended well: tear the process groups down now, while the interpreter is
+    whole. Left to interpreter exit, their destructors race the runtime's teardown, and one
+    rank in a few hundred (gloo, 2 loaded cores) died with `terminate called without an
+    active exception` (SIGABRT) after its last line, failing a finished job under torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _restart_safe_store(timeout) -> dict:
     """Under torchrun, a restarted worker group (--max-restarts) reuses the agent's store,
     and gloo then reads the dead attempt's addresses (connectFullMesh: connection refused,

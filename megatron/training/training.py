@@ -21,6 +21,7 @@ from megatron.training.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
     initialize_distributed,
+    shutdown_distributed,
     initialize_model_parallel,
     print_rank_0,
     print_rank_last,
@@ -214,8 +215,10 @@ def pretrain(
         _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
     try:
-        return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
-                         document_datasets_provider)
+        logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
+                           document_datasets_provider)
+        shutdown_distributed()
+        return logged
     except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError, PlanningError) as e:
         _report_error_and_exit(str(e))
     except RuntimeError as e:
