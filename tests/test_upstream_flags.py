@@ -144,8 +144,10 @@ def test_aliases_parse_and_the_typed_spelling_is_named():
     assert status == "error" and got.startswith("--disable-mamba-mem-eff-path: hybrid")
     args = parse_args(BASE + ["--persistent-save-interval", "3", "--save", "/tmp/ckpt"], world_size=1)
     assert args.save_interval == 3  # upstream's alias of --save-interval: honoured
-    status, got = outcome(["--override-opt-param-scheduler"])
-    assert status == "error" and got.startswith("--override-opt-param-scheduler: ")
+    for spelling in ("--override-opt-param-scheduler", "--override-opt_param-scheduler"):  # honoured, both
+        assert parse_args(BASE + [spelling], world_size=1).override_opt_param_scheduler
+    status, got = outcome(["--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+    assert status == "error" and "exclude each other" in got
 
 
 def test_the_first_refused_flag_on_the_line_is_reported_before_other_errors():

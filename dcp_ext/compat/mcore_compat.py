@@ -29,6 +29,46 @@ def finish_optimizer_load(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def step_unless_gradients_nonfinite(optimizer) -> tuple[bool, float | None, int | None]:
+    """megatron-core 0.16's `optimizer.step()` applies a step whose gradient norm is NaN or inf
+    when nothing overflowed in half precision (fp32, bf16): it clips by the NaN norm and writes
+    NaN into every weight. This is its own step (`ChainedOptimizer.step`: prepare the grads,
+    one norm over every optimizer, clip each, count zeros, step), with the norm checked
+    before anything is applied: a non-finite norm skips the step, as the adaptive runtime
+    does. The norm is reduced over the model-parallel group, so every rank decides alike.
+    Returns (applied, grad_norm, zeros in the grads or None), as `step()` does."""
+    import math
+
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    timers = getattr(optimizer.config, "timers", None)
+
+    def timed(name):
+        return timers(name, log_level=1) if timers is not None else None
+
+    if optimizer.prepare_grads():  # fp16's scaler found an overflow (and backed off)
+        return False, None, None
+    timer = timed("optimizer-clip-main-grad")
+    if timer is not None:
+        timer.start(barrier=optimizer.config.barrier_with_L1_time)
+    grad_norm = optimizer.get_grad_norm()
+    finite = math.isfinite(float(grad_norm))
+    if finite:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+                continue
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                             use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    if timer is not None:
+        timer.stop()
+    if not finite:
+        return False, float(grad_norm), None
+    zeros = optimizer.count_zeros() if optimizer.config.log_num_zeros_in_grad else None
+    return optimizer.step_with_ready_grads(), grad_norm, zeros
+
+
 _installed = False
 
 

@@ -160,7 +160,8 @@ def validate_args(args: argparse.Namespace) -> None:
     )
     need(
         args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
-        f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}",
+        f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}: "
+        "change one of them, or give each head's size with --kv-channels",
     )
     need(
         args.num_layers % pp == 0,

@@ -288,7 +288,11 @@ def fill_derived(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 or 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
-    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size and args.num_attention_heads \
+            and args.hidden_size % args.num_attention_heads == 0:
+        # upstream derives it only from an even split (argument_checks refuses an uneven one
+        # without an explicit --kv-channels: with RoPE it failed deep inside, with learned
+        # positions it trained a model of other shapes than the flags said)
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length

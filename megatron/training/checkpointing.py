@@ -19,6 +19,7 @@ from megatron.training.checkpoint_inspector import check_saved_parts, load_commo
 from megatron.training.checkpoint_protocol import (CHECKPOINT_VERSION, CheckpointError, _common_args,
                                                    resolve_load_dir, save_sharded_atomic)
 from megatron.training.initialize import print_rank_0
+from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
 
 
 def rng_state() -> dict:
@@ -76,6 +77,9 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
+    from megatron.training.finite_weights import refuse_nonfinite
+
+    refuse_nonfinite(unwrap(model).parameters(), iteration, args.save)
     model_sd = unwrap(model).sharded_state_dict()
     state = {
         "args": _common_args(args),
@@ -104,6 +108,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     if common.get("format") == "dcp-fixed-sharding/v1":
         raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
                               "or export it with tools/convert_dcp_checkpoint.py")
+    check_model_args(common.get("args"), args, path)
     saved_vocab = getattr(common.get("args"), "padded_vocab_size", None)
     if saved_vocab is not None and saved_vocab != args.padded_vocab_size:
         tp = args.tensor_model_parallel_size
@@ -115,6 +120,9 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     model_sd = unwrap(model).sharded_state_dict()
     request = {"model": model_sd}
     load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim:  # before any tensor is read
+        schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
+        print_rank_0("> " + schedule.line)
     if load_optim:
         mcore_compat.prepare_optimizer_for_load(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
@@ -127,6 +135,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         optimizer.load_state_dict(state["optimizer"])
         mcore_compat.finish_optimizer_load(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        schedule.apply()
     elif args.bf16 or args.fp16:
         # The fp32 master weights are copies, not views: refresh them from the loaded model
         # (Megatron's load_checkpoint does the same), or the first step would undo the load.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.training import checkpoint_protocol as ckpt
 from megatron.training.checkpoint_inspector import check_saved_parts, load_common_or_explain, load_or_explain
 from megatron.training.initialize import print_rank_0
+from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
 
 FORMAT = "dcp-fixed-sharding/v1"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -49,6 +50,9 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
 
 
 def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
+    from megatron.training.finite_weights import refuse_nonfinite
+
+    refuse_nonfinite([engine.optimizer.master()], iteration, args.save)
     avg, avg_sq, step = engine.optimizer.moments()
     shards = {"param": engine.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
     kinds = ("param",) if getattr(args, "no_save_optim", False) else KINDS  # weights only
@@ -86,12 +90,23 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if common.get("format") != FORMAT:
         raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp); "
                                    "resume it without --dcp")
+    check_model_args(common.get("args"), args, path)
+    saved_rows = getattr(common.get("args"), "padded_vocab_size", None)
+    if saved_rows is not None and saved_rows != args.padded_vocab_size:
+        raise ckpt.CheckpointError(
+            f"{path}: its vocabulary is padded to {saved_rows} rows, this run's to {args.padded_vocab_size} "
+            f"(--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}, vocabulary "
+            f"{getattr(args, 'vocab_size', None) or '?'}): resume with the flags it was trained with")
     saved = {name: tuple(shape) for name, shape in common["canonical"]}
     ours = {t.name: t.shape for t in engine.space.tensors.values()}
     if saved != ours:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
     check_saved_parts(args, common, path)
+    schedule = None
+    if not (args.no_load_optim or args.finetune) and "opt_param_scheduler" in common:
+        schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
+        print_rank_0("> " + schedule.line)
     sharding = engine.sharding
     kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
     shard = {kind: torch.zeros(sharding.shard_numel(engine.rank)) for kind in kinds}
@@ -113,6 +128,8 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if "exp_avg" in shard:
         engine.optimizer.set_moments(shard["exp_avg"], shard["exp_avg_sq"], int(common["adam_step"]))
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        if schedule is not None:
+            schedule.apply()
     dist.barrier()
     if args.finetune:
         return 0, 0

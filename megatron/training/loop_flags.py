@@ -69,6 +69,13 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without RNG state")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model-shape flags from the checkpoint in --load (as upstream)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, train with the flags' LR schedule where it differs from the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, keep the checkpoint's LR schedule where it differs from the flags' (without "
+                        "either flag a difference stops the resume, as upstream)")
     g.add_argument("--ckpt-format", type=str, default="torch_dist", choices=CKPT_FORMATS,
                    help="only torch_dist is written and read here")
 
@@ -161,6 +168,9 @@ def validate_loop_flags(args) -> None:
                        "--wandb-exp-name/--wandb-save-dir")
         if not (args.wandb_save_dir or args.save):
             raise ArgumentError("--wandb-project needs --wandb-save-dir DIR (or --save, for <save>/wandb)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+                            "other: the flags' LR schedule or the checkpoint's, pick one")
     if args.use_checkpoint_args and not args.load:
         raise ArgumentError("--use-checkpoint-args needs --load DIR (the checkpoint to read the model flags from)")
 

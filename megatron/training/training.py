@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing, global_vars, loop_flags, preflight
+from dcp_ext.compat import mcore_compat
+from megatron.training import checkpointing, finite_weights, global_vars, loop_flags, preflight
 from megatron.training.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
@@ -28,7 +29,7 @@ from megatron.training.initialize import (
     set_random_seed,
 )
 from megatron.training.data_workers import WorkerBatches
-from megatron.training.errors import TrainingError
+from megatron.training.errors import AgreedTrainingError, TrainingError
 from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
 from megatron.training.memory_report import report_memory, start_memory_report
@@ -220,7 +221,7 @@ def pretrain(
         shutdown_distributed()
         return logged
     except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError, PlanningError) as e:
-        _report_error_and_exit(str(e))
+        _report_error_and_exit(str(e), every_rank=not isinstance(e, AgreedTrainingError))
     except RuntimeError as e:
         if not _is_lost_peer(e):
             _report_os_error_or_raise(e, args)
@@ -294,7 +295,8 @@ def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int,
 
 
 def train_step(args, model, optimizer, scheduler, config, forward_step_func, data_iterator, num_microbatches,
-               seq_length: int, forward_only: bool = False, features: Optional[LoopFeatures] = None):
+               seq_length: int, forward_only: bool = False, features: Optional[LoopFeatures] = None,
+               iteration: Optional[int] = None):
     """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -312,8 +314,11 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
     )
     update_successful, grad_norm = True, None
     if not forward_only:
+        finite_weights.inject_nan_grad(model.parameters(), iteration)
         with features.timer("optimizer") if features else nullcontext():
-            update_successful, grad_norm, _ = optimizer.step()
+            # a step whose gradient norm is NaN/inf is skipped, not applied (as under --dcp)
+            update_successful, grad_norm, _ = mcore_compat.step_unless_gradients_nonfinite(optimizer)
+        finite_weights.inject_nan_weights(model.parameters(), iteration)
         if update_successful:
             scheduler.step(increment=args.lr_step_increment)
     return reduce_losses(losses), update_successful, grad_norm
@@ -389,7 +394,7 @@ class StaticSteps:
             micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate))
         self.losses, ok, self.grad_norm = train_step(
             args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
-            args.num_microbatches, args.seq_length, features=self.features)
+            args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1)
         loss = self.losses["lm loss"]
         self.consumed_samples += args.global_batch_size
         # An overflow that the dynamic loss scaler (--fp16) answers by backing off is a normal

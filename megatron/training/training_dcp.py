@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing_adaptive
+from megatron.training import checkpointing_adaptive, finite_weights
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.log import TrainingLogger
@@ -114,16 +114,29 @@ def layout_change_line(iteration: int, before, it, lengths_of: dict, planner) ->
             f"document {longest} tokens (before: {old_longest}){where} | {why}")
 
 
+# Tensor-parallel sizes a planner may use on any machine of up to this many devices per
+# node; the vocabulary is padded for all of them (see vocab_padding_for).
+TP_CEILING = 8
+
+
 def vocab_padding_for(args, vocab_size: int, cluster) -> int:
-    """One padded vocabulary for every layout the planner may choose on `cluster`: a
-    multiple of divisible_by x lcm(every candidate tp). Fixed before planning, so the
-    planner's cost model and the runtime see the same model."""
+    """One padded vocabulary for every layout the planner could choose, on this world size
+    or any other: a multiple of divisible_by x lcm(every power-of-two tp up to TP_CEILING that
+    divides the heads and the query groups, and every tp of this cluster's pool). It depends
+    on the model and the flags alone (on nodes of up to TP_CEILING devices), so a checkpoint
+    saved on W ranks resumes on any W' whatever the vocabulary; and it is fixed before
+    planning, so the planner's cost model and the runtime see the same model."""
     from dcp_ext.planning.cost_model import CostModel
     from dcp_ext.data.tokenizers import padded_vocab_size
     from dcp_ext.planning.specs import ModelSpec
 
     spec = ModelSpec.from_megatron_args(args).with_(vocab_size=vocab_size)
     lcm_tp = 1
+    tp = 1
+    while tp <= TP_CEILING:
+        if spec.valid_tp(tp):
+            lcm_tp = math.lcm(lcm_tp, tp)
+        tp *= 2
     for layout in CostModel(spec, cluster).all_layouts():
         lcm_tp = math.lcm(lcm_tp, layout.tp)
     return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
@@ -354,6 +367,7 @@ class AdaptiveSteps:
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             self.scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
+        finite_weights.inject_nan_weights([self.engine.optimizer.master()], iteration + 1)  # a test hook
         if self.recalibration is not None:
             self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)
             # queued, applied at the next iteration's start: a checkpoint now keeps it

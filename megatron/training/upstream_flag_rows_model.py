@@ -330,8 +330,6 @@ MODEL_ROWS = [
     ('--init-method-xavier-uniform', 'store_true', '', '', False, (), 'init'),
     ('--lr-wsd-decay-style', 'value', 'str', '', 'exponential', ('exponential', 'linear', 'cosine', 'minus_sqrt'), 'lr_schedule'),
     ('--lr-warmup-init', 'value', 'float', '', 0.0, (), 'lr_schedule'),
-    ('--override-opt_param-scheduler --override-opt-param-scheduler', 'store_true', '', '', False, (), 'lr_resume'),
-    ('--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler', 'store_true', '', '', False, (), 'lr_resume'),
     ('--start-weight-decay', 'value', 'float', '', None, (), 'wd_schedule'),
     ('--end-weight-decay', 'value', 'float', '', None, (), 'wd_schedule'),
     ('--weight-decay-incr-style', 'value', 'str', '', 'constant', ('constant', 'linear', 'cosine'), 'wd_schedule'),

@@ -55,8 +55,6 @@ FAMILIES = {
     "wd_schedule": (REFUSE, "weight-decay schedules and conditions are not wired here; use a constant --weight-decay"),
     "lr_schedule": (REFUSE, "this learning-rate schedule option is not wired here; use --lr-decay-style, "
                             "--lr-warmup-iters and --lr-wsd-decay-iters"),
-    "lr_resume": (REFUSE, "choosing between the checkpoint's and the flags' LR schedule is not wired here; drop it "
-                          "(the schedule follows the flags, resumed at the checkpoint's iteration)"),
     "freeze": (REFUSE, "freezing layers is not supported here; drop it (every parameter trains)"),
     "use_micro_batch": (REFUSE, "the old spelling is not wired here; use --micro-batch-size"),
     "use_tp": (REFUSE, "the old spelling is not wired here; use --tensor-model-parallel-size"),
