@@ -126,17 +126,23 @@ def quiet_known_warnings() -> None:
 
 
 def main(argv=None) -> None:
-    quiet_known_warnings()
-    from dcp_ext.compat import cpu_compat
-    from megatron.training.training import pretrain
+    try:
+        quiet_known_warnings()
+        from dcp_ext.compat import cpu_compat
+        from megatron.training.training import pretrain
 
-    cpu_compat.install()  # once per process, here at the entry (a no-op with CUDA)
+        cpu_compat.install()  # once per process, here at the entry (a no-op with CUDA)
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:  # the embedded default: the CPU demo on the adaptive runtime
-        argv = ["--yaml-cfg", DEMO_CONFIG, "--dcp"]
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
-             document_datasets_provider=document_datasets_provider)
+        argv = sys.argv[1:] if argv is None else argv
+        if not argv:  # the embedded default: the CPU demo on the adaptive runtime
+            argv = ["--yaml-cfg", DEMO_CONFIG, "--dcp"]
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
+                 document_datasets_provider=document_datasets_provider)
+    except KeyboardInterrupt:  # Ctrl-C while starting up (pretrain says it once training has begun)
+        if os.environ.get("RANK", "0") == "0":
+            print("error: interrupted (SIGINT, Ctrl-C) while starting: nothing was trained", file=sys.stderr,
+                  flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

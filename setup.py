@@ -26,6 +26,8 @@ if Pybind11Extension is not None and cpp_sources:
             extra_compile_args=["-O3", "-ffp-contract=off"] if sys.platform != "win32" else [],
         )
     )
+    # one line instead of a silent SIGBUS when a memory-mapped data file is cut short mid-run
+    ext_modules.append(Pybind11Extension("dcp_ext.data._sigbus", ["csrc/guard/sigbus_guard.cpp"], cxx_std=17))
     cmdclass["build_ext"] = build_ext
 
 setup(

@@ -133,9 +133,12 @@ def test_yaml_types_and_duplicate_keys(tmp_path):
 def test_launcher_environment_is_checked():
     from megatron.training.arguments import world_size_from_env
 
-    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "8", "RANK": "7"}) == 8
+    master = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "8", "RANK": "7", **master}) == 8
     for env, needle in (({"WORLD_SIZE": "x"}, "WORLD_SIZE='x' is not an integer"),
                         ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not in [0, WORLD_SIZE=2)"),
-                        ({"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port")):
+                        ({"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port"),
+                        ({"WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "WORLD_SIZE=2 is set but MASTER_ADDR is not"),
+                        ({"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "h"}, "RANK=1 are set but MASTER_PORT is not")):
         with pytest.raises(ArgumentError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             world_size_from_env(env)

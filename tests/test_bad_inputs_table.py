@@ -60,7 +60,8 @@ B_DCP = ["--dcp", "--dcp-global-batch-tokens", "512", "--train-iters", "1",
          "--data-path", "{corpus}", "--data-cache-path", "{tmp}/cache"]
 SHAPE = ["--hidden-size", "32", "--ffn-hidden-size", "64"]
 NAN = ["--lr", "1e30", "--lr-warmup-iters", "0", "--train-iters", "6", "--max-nan-iterations", "2"]
-W2 = {"WORLD_SIZE": "2"}  # what torchrun --nproc_per_node=2 sets; layout checks precede any group
+# what torchrun --nproc_per_node=2 sets (a rank of a 2-rank world); layout checks precede any group
+W2 = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 CASES = [
     # flags
@@ -154,6 +155,11 @@ CASES = [
       )],
     Case("resume-both-schedule-flags", ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
          "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other", code=2),
+    Case("train-iters-zero-with-warmup", ["--drop", "--lr-decay-iters", "--train-iters", "0"],
+         "--train-iters 0 trains nothing, and --lr-decay-iters (which defaults to it) leaves no room for "
+         "--lr-warmup-iters 1", code=2),
+    Case("train-iters-zero-with-warmup-dcp", ["--drop", "--lr-decay-iters", "--train-iters", "0"],
+         "--train-iters 0 trains nothing", code=2, base="dcp"),
     # upstream's divisibility rule: --hidden-size over heads, unless --kv-channels says each head's size
     Case("hidden-not-divisible-by-heads-rope", ["--hidden-size", "60", "--num-attention-heads", "8",
                                                 "--num-query-groups", "4"],
@@ -362,6 +368,11 @@ CASES += [
     Case("env-master-port-busy", [], "MASTER_PORT {busy_port} on 127.0.0.1 is already in use", code=1,
          env={"MASTER_PORT": "{busy_port}"}),
     Case("env-master-port-busy-dcp", [], "is already in use", code=1, env={"MASTER_PORT": "{busy_port}"}, base="dcp"),
+    # a rank started without torchrun's rendezvous variables: one line, not a traceback (issue 24, class E)
+    Case("env-world-without-master", [], "WORLD_SIZE=2 and RANK=0 are set but MASTER_ADDR and MASTER_PORT are not",
+         code=2, env={"WORLD_SIZE": "2", "RANK": "0"}),
+    Case("env-world-without-master-port-dcp", [], "WORLD_SIZE=2 and RANK=0 are set but MASTER_PORT is not",
+         env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, base="dcp"),
     # data files a cluster user meets
     Case("data-prefix-with-bin-suffix", ["--data-path", "{corpus}.bin"], "takes the prefix without .bin/.idx", code=1),
     Case("data-idx-is-a-directory", ["--data-path", "{val}/dir_idx_text_document"],

@@ -121,6 +121,11 @@ class DocumentDataset:
         self.has_loss_mask = docs.has_loss_mask
         self.vocab_size: int | None = None  # set by build_document_datasets: every read is checked against it
         self._perm_cache: dict[int, np.ndarray] = {}
+        original = np.asarray(docs.lengths[lo:hi], dtype=np.int64)
+        # (documents cut, tokens dropped, tokens in the split) by the truncation at max_seq_len
+        self.truncation = (0, 0, int(original.sum())) if split_long_documents else (
+            int(np.count_nonzero(original > max_seq_len)), int(np.maximum(original - max_seq_len, 0).sum()),
+            int(original.sum()))
 
     def __len__(self) -> int:
         """Samples per epoch."""
@@ -190,6 +195,21 @@ def _blending_kernel():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.helpers_cpp import build_blending_indices
     return build_blending_indices
+
+
+def truncation_note(ds, max_seq_len: int) -> str | None:
+    """The line that says what --dcp-max-seq-len cuts from a split, or None when it cuts nothing.
+    Documents are truncated to their first max_seq_len tokens (unless split): the rest never
+    trains, which a run should say once, at start, rather than train on far fewer tokens."""
+    parts = [d for d in getattr(ds, "datasets", [ds]) if hasattr(d, "truncation")]
+    cut = sum(d.truncation[0] for d in parts)
+    dropped = sum(d.truncation[1] for d in parts)
+    total = sum(d.truncation[2] for d in parts)
+    if not dropped:
+        return None
+    return (f"--dcp-max-seq-len {max_seq_len} cuts {cut:,} of the {ds.name} split's {len(ds):,} documents to their "
+            f"first {max_seq_len} tokens: {dropped:,} of {total:,} tokens ({100 * dropped / max(total, 1):.1f}%) never "
+            "train; --dcp-split-long-documents trains them as further samples, or raise --dcp-max-seq-len")
 
 
 class BlendedDocumentDataset:

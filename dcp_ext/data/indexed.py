@@ -206,6 +206,11 @@ class IndexedDocuments:
                 raise DataError(f"{idx_path(self.mask_prefix)} does not match {idx_path(prefix)} "
                                 "(loss mask lengths differ from token lengths)")
         self.meta = read_meta(prefix)
+        from dcp_ext.data import file_guard
+
+        # memory-mapped for the whole run: a change under it is said in one line (file_guard)
+        file_guard.watch(idx_path(prefix), bin_path(prefix),
+                         *((idx_path(self.mask_prefix), bin_path(self.mask_prefix)) if self.has_loss_mask else ()))
 
     def __len__(self) -> int:
         return len(self.lengths)

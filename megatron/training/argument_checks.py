@@ -223,6 +223,10 @@ def validate_args(args: argparse.Namespace) -> None:
     elif args.recompute_granularity == "selective":
         need(args.recompute_num_layers is None, "--recompute-num-layers applies to --recompute-granularity full, "
              "not selective")
+    if args.lr_warmup_iters and not args.train_iters and not args.lr_decay_iters and args.train_samples is None:
+        need(False, f"--train-iters {args.train_iters} trains nothing, and --lr-decay-iters (which defaults to it) "
+                    f"leaves no room for --lr-warmup-iters {args.lr_warmup_iters}: give --train-iters > 0, or "
+                    "--lr-decay-iters, or drop --lr-warmup-iters")
     if args.lr_warmup_iters:
         need(args.lr_warmup_iters < (args.lr_decay_iters or 0),
              f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "

@@ -241,6 +241,12 @@ def world_size_from_env(env) -> int:
         raise ArgumentError(f"environment variable LOCAL_RANK={values['LOCAL_RANK']} must be >= 0")
     if "MASTER_PORT" in values and not 0 < values["MASTER_PORT"] < 65536:
         raise ArgumentError(f"environment variable MASTER_PORT={values['MASTER_PORT']} is not a TCP port (1-65535)")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if world > 1 and missing:  # env:// rendezvous would fail with a traceback, or wait for nobody
+        rank = f" and RANK={values['RANK']}" if "RANK" in values else ""
+        raise ArgumentError(f"WORLD_SIZE={world}{rank} {'are' if rank else 'is'} set but {' and '.join(missing)} "
+                            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun (it sets them all), "
+                            "or set MASTER_ADDR and MASTER_PORT to rank 0's address and a free port")
     return world
 
 

@@ -10,8 +10,9 @@ save (rank 0 does every filesystem step; all ranks write their shards) goes:
     1. recover      leftovers of an interrupted save are put right (`recover`, below)
     2. stage        every rank writes into `iter_N.incomplete/`; fsync'd
     3. aside        re-saving an existing `iter_N`: rename it to `iter_N.old`
-    4. rename       `iter_N.incomplete` -> `iter_N`
-    5. tracker      write `latest_checkpointed_iteration.txt.tmp`, fsync, rename over the tracker
+    4. rename       write `latest_checkpointed_iteration.txt.tmp` (fsync'd), then
+                    `iter_N.incomplete` -> `iter_N`
+    5. tracker      rename the tracker's .tmp over the tracker
     6. delete old   rename `iter_N.old` -> `iter_N.deleting`, then remove that
 
 with the directory fsync'd after every rename, so a crash (or power loss) between any two
@@ -24,7 +25,15 @@ loads `iter_N.old` (always a complete copy: it is only ever made by renaming a c
 `iter_N`, and is renamed away before its deletion starts); a `.old` next to its `iter_N` is
 a finished re-save's leftover and is ignored. The loader never changes the directory (it
 may be read-only); the next save's step 1 restores `iter_N.old` to `iter_N` when `iter_N`
-is missing and removes the other leftovers. tests/test_save_faults.py kills a save at each
+is missing and removes the other leftovers.
+
+No tracker at all (`resolve_load_dir`) is a fresh start only where nothing was committed:
+no complete `iter_*` folder, or only the one a first save renamed into place before it
+died (its tracker's .tmp, written before that rename, says so). Complete checkpoints with
+no tracker mean the tracker was lost: refused, naming the newest and how to resume it,
+never a fresh start that would save over them. A tracker saying `release` is upstream
+Megatron's release checkpoint in `{load}/release/`: its weights load and the iteration
+count starts at 0, as upstream does. tests/test_save_faults.py kills a save at each
 step in turn (`FAULT_POINTS`) and loads what is left. Because the format is sharded by
 global tensor slices, a checkpoint saved under one TP/PP/DP layout loads under another.
 
@@ -57,8 +66,8 @@ FAULT_POINTS = (
     "after_staging_dir",  # empty iter_N.incomplete/ made
     "after_shards",       # every rank's shards in iter_N.incomplete/ (all ranks die here)
     "after_aside",        # re-save only: iter_N -> iter_N.old
+    "after_tracker_tmp",  # tracker .tmp written and fsync'd; iter_N not yet renamed into place
     "after_rename",       # iter_N.incomplete -> iter_N
-    "after_tracker_tmp",  # tracker .tmp written and fsync'd, not yet renamed
     "after_tracker",      # tracker names N: committed
     "after_mark_delete",  # re-save only: iter_N.old -> iter_N.deleting
     "mid_delete_old",     # re-save only: iter_N.deleting partly removed
@@ -113,31 +122,46 @@ def find_checkpoint(root: str, iteration: int) -> str | None:
     return None
 
 
-def read_tracker(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
+def _tracker_text(root: str, name: str = TRACKER) -> str | None:
+    path = os.path.join(root, name)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
+    with open(path) as f:
+        return f.read().strip()
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration the tracker names; None without a tracker. A `release` tracker is not an
+    iteration (CheckpointError; `resolve_load_dir` loads it)."""
+    text = _tracker_text(root)
+    if text is None:
+        return None
+    path = os.path.join(root, TRACKER)
+    if text == RELEASE:
+        raise CheckpointError(f"{path} names a release checkpoint ({os.path.join(root, RELEASE)}), not an "
+                              "iteration; load it with --load (training starts at iteration 0)")
     try:
         return int(text)
     except ValueError:
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
-def _write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
+def _stage_tracker(root: str, iteration: int) -> None:
+    """Step 4's first half: the new tracker as .tmp, fsync'd (the commit renames it in)."""
+    with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
-    _fault_point("after_tracker_tmp")
-    os.replace(tmp, os.path.join(root, TRACKER))
+    _fsync(root)
+
+
+def _commit_tracker(root: str) -> None:
+    os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
     _fsync(root)
 
 
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
+RELEASE = "release"
 
 
 def recover(root: str) -> None:
@@ -217,10 +241,12 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
             os.rename(final, aside)
             _fsync(root)
             _fault_point("after_aside")
+        _stage_tracker(root, iteration)  # before the rename: marks an iter_N not yet committed
+        _fault_point("after_tracker_tmp")
         os.rename(staging, final)
         _fsync(root)
         _fault_point("after_rename")
-        _write_tracker(root, iteration)
+        _commit_tracker(root)
         _fault_point("after_tracker")
         if os.path.exists(aside):
             doomed = final + DELETING_SUFFIX
@@ -239,13 +265,82 @@ def _common_args(args) -> argparse.Namespace:
 
 
 
+def _complete_iterations(root: str) -> dict[int, str]:
+    """{iteration: complete folder} of the checkpoints in `root`, as `find_checkpoint` finds them."""
+    found = {}
+    for name in os.listdir(root):
+        base = name[: -len(ASIDE_SUFFIX)] if name.endswith(ASIDE_SUFFIX) else name
+        if _ITER_DIR.match(base):
+            n = int(base[len("iter_"):])
+            path = find_checkpoint(root, n)
+            if path is not None:
+                found[n] = path
+    return found
+
+
+def _without_tracker(load: str) -> str | None:
+    """No tracker in `load`: None when nothing was committed there (a fresh start is right), else
+    the line refusing to start afresh over the checkpoints it holds."""
+    found = _complete_iterations(load) if os.path.isdir(load) else {}
+    if not found:
+        unfinished = sorted(n for n in os.listdir(load) if _ITER_DIR.match(n)) if os.path.isdir(load) else []
+        if not unfinished:
+            return None
+        return (f"--load {load}: {TRACKER} is missing and {load} holds {', '.join(unfinished[-3:])} but none is a "
+                "complete checkpoint; to start from scratch point --load and --save to another directory, or remove "
+                "those folders")
+    staged = _tracker_text(load, TRACKER + ".tmp")
+    if staged is not None and set(found) == {_int_or_none(staged)}:
+        return None  # the first save died between its rename and its commit (step 4 of the protocol)
+    newest = max(found)
+    return (f"--load {load}: {TRACKER} is missing but {load} holds checkpoints (newest complete: "
+            f"{os.path.basename(found[newest])}); to resume from it write its iteration into the tracker "
+            f"(echo {newest} > {os.path.join(load, TRACKER)}), or to start from scratch point --load and --save to "
+            "another directory")
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _release_dir(args) -> tuple[str, int]:
+    """A `release` tracker: upstream's release checkpoint in `{load}/release/`, loaded as upstream
+    does (weights only, the iteration count from 0: `args.finetune`'s rule), if it is a
+    torch_dist checkpoint."""
+    path = os.path.join(args.load, RELEASE)
+    said = f"--load {args.load}: {TRACKER} says '{RELEASE}' (an upstream release checkpoint)"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{said} but {path} does not exist; point --load to the folder that holds it")
+    if not is_complete(path):
+        legacy = any(n.startswith("mp_rank_") for n in os.listdir(path))
+        what = "in upstream's legacy format (mp_rank_* folders)" if legacy else "not a complete torch_dist checkpoint"
+        raise CheckpointError(f"{said} but {path} is {what}; this fork reads torch_dist checkpoints: convert it with "
+                              "upstream Megatron (--ckpt-convert-format torch_dist --ckpt-convert-save DIR)")
+    args.finetune = True
+    print_rank_0(f"  note: {args.load} holds a release checkpoint ({TRACKER} says '{RELEASE}'): loading its weights "
+                 f"from {path}; training starts at iteration 0 without its optimizer or RNG state, as upstream "
+                 "Megatron does")
+    return path, 0
+
+
 def resolve_load_dir(args) -> tuple[str, int] | None:
     """(directory, iteration) to resume from, None to start fresh; errors name the path."""
+    if _tracker_text(args.load) == RELEASE:
+        return _release_dir(args)
     iteration = read_tracker(args.load)
     if iteration is None:
+        refusal = _without_tracker(args.load)
+        if refusal:
+            raise CheckpointError(refusal)
         if args.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {args.load}: no {TRACKER} found (and --exit-on-missing-checkpoint is set)")
-        print_rank_0(f"WARNING: no checkpoint in {args.load} ({TRACKER} missing); starting from scratch")
+        staged = os.path.isfile(os.path.join(args.load, TRACKER + ".tmp"))
+        why = (f"{TRACKER} missing: the first save was killed before its commit" if staged and
+               _complete_iterations(args.load) else f"{TRACKER} missing")
+        print_rank_0(f"WARNING: no checkpoint in {args.load} ({why}); starting from scratch")
         return None
     path = find_checkpoint(args.load, iteration)
     if path is None:

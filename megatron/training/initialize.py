@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dcp_ext.compat import cpu_compat, mcore_compat
 from megatron.training.argument_errors import ArgumentError
+from megatron.training.errors import TrainingError
 
 
 def _free_port() -> int:
@@ -33,16 +34,33 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
     if "RANK" not in os.environ:  # plain `python`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
-    except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken
-        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
-            raise
+    except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "?")
-        raise ArgumentError(f"MASTER_PORT {port} on {addr} is already in use (another job on this machine?): "
-                            "set MASTER_PORT to a free port, or pass torchrun --master-port") from None
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise ArgumentError(f"MASTER_PORT {port} on {addr} is already in use (another job on this machine?): "
+                                "set MASTER_PORT to a free port, or pass torchrun --master-port") from None
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            joined = _clients_joined(text)
+            raise TrainingError(
+                f"rank {rank} waited {timeout_minutes} min at MASTER_ADDR {addr}:{port} for the other ranks of "
+                f"WORLD_SIZE={world}{joined} and they never came: start every rank (torchrun --nproc_per_node starts "
+                "them all), check WORLD_SIZE, MASTER_ADDR/MASTER_PORT and the network "
+                "(--distributed-timeout-minutes sets how long to wait)") from None
+        raise
+
+
+def _clients_joined(text: str) -> str:
+    """', 1 of 2 joined' from torch's store timeout message, when it says."""
+    import re
+
+    m = re.search(r"(\d+)/(\d+) clients joined", text)
+    return f", {m.group(1)} of {m.group(2)} joined" if m else ""
 
 
 def shutdown_distributed() -> None:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from dcp_ext.data import file_guard
 from megatron.training.errors import TrainingError
 
 
@@ -38,6 +39,7 @@ def run_training(args, steps: Steps, iteration: int, features) -> list[tuple[int
     """Iterations from `iteration` to --train-iters (or an exit); returns (iteration, loss)."""
     start_iteration, nan_streak, history = iteration, 0, []
     while iteration < args.train_iters:
+        file_guard.check()  # a data file changed under the job: one line now, not a SIGBUS later
         features.begin_iteration(iteration)
         start = time.perf_counter()
         outcome = steps.run(iteration)

@@ -8,6 +8,7 @@ Loss is per token over the whole global batch (DESIGN.md, "Loss").
 from __future__ import annotations
 
 import math
+import os
 import sys
 from contextlib import nullcontext
 from functools import partial
@@ -190,7 +191,8 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
 
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     if every_rank or rank == 0 or not 0 <= rank < world:
-        prefix = f"[rank {rank}] " if every_rank and world > 1 else ""
+        names_its_rank = message.startswith(f"rank {rank} ")
+        prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -228,8 +230,31 @@ def pretrain(
         first = str(e).strip().splitlines()[0][:200]
         _report_error_and_exit(f"lost contact with another rank ({first}): it died or hangs; see its log, then "
                                "rerun to resume from the last checkpoint")
+    except KeyboardInterrupt:  # SIGINT, Ctrl-C: one line, as SIGTERM ends without --exit-signal-handler
+        _report_error_and_exit(interrupted_message(args), 130, every_rank=False)
     except BaseException as e:  # an OSError (full disk, permissions), or torch's CheckpointException wrapping one
         _report_os_error_or_raise(e, args)
+    finally:
+        from megatron.training import checkpoint_lock
+
+        checkpoint_lock.release()  # the --save lock, however the run ends (a no-op where none is held)
+
+
+def interrupted_message(args=None) -> str:
+    """What a SIGINT (Ctrl-C) stopped, and where the run can resume."""
+    from megatron.training.checkpoint_protocol import TRACKER
+
+    save = getattr(args, "save", None)
+    if not save:
+        return "interrupted (SIGINT, Ctrl-C): the run stopped; it saved nothing (no --save)"
+    try:
+        with open(os.path.join(save, TRACKER)) as f:
+            last = f.read().strip()
+    except OSError:
+        last = None
+    where = f"its last checkpoint in --save {save} is iteration {last}" if last else f"nothing is saved in --save {save} yet"
+    return (f"interrupted (SIGINT, Ctrl-C): the run stopped; {where}: rerun with the same flags to resume "
+            "(--exit-signal-handler saves before stopping)")
 
 
 def _report_os_error_or_raise(e: BaseException, args=None) -> None:
@@ -255,6 +280,9 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
 
     announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
     preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
+    from megatron.training import checkpoint_lock
+
+    checkpoint_lock.acquire(args)  # one job per --save: rank 0 takes its lock, or every rank stops here
     from megatron.training.model_flags import startup_notes
 
     for note in startup_notes(args):  # what the model/kernel/precision flags do on this machine

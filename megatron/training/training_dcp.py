@@ -119,6 +119,20 @@ def layout_change_line(iteration: int, before, it, lengths_of: dict, planner) ->
 TP_CEILING = 8
 
 
+def say_what_the_data_leaves_out(args, train_ds, valid_ds) -> None:
+    """Once, at start: the tokens --dcp-max-seq-len cuts, and an evaluation asked for that
+    cannot run because the validation split holds no document."""
+    from dcp_ext.data.documents import truncation_note
+
+    note = truncation_note(train_ds, args.dcp_max_seq_len) if train_ds is not None else None
+    if note:
+        print_rank_0(f"WARNING: {note}")
+    if valid_ds is None and args.eval_iters > 0 and args.eval_interval and args.eval_interval <= args.train_iters:
+        print_rank_0(f"WARNING: no evaluation: --split {args.split} leaves the validation split without a document, "
+                     f"so --eval-iters {args.eval_iters} --eval-interval {args.eval_interval} never run; give the "
+                     "validation split a share (e.g. --split 98,2,0) or set --eval-iters 0")
+
+
 def vocab_padding_for(args, vocab_size: int, cluster) -> int:
     """One padded vocabulary for every layout the planner could choose, on this world size
     or any other: a multiple of divisible_by x lcm(every power-of-two tp up to TP_CEILING that
@@ -270,6 +284,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     set_random_seed_without_parallel_state(args.seed)
     cluster = cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data is read
     train_ds, valid_ds, _ = document_datasets_provider(args)
+    say_what_the_data_leaves_out(args, train_ds, valid_ds)
     from megatron.training.global_vars import get_tokenizer
 
     args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
