@@ -30,8 +30,14 @@ vocabulary is the checkpoint's (the adaptive run pads to a multiple of divisible
 of its candidate TPs); when the static path at TP T would pad differently, the export
 records, and the tool prints, the `--make-vocab-size-divisible-by` that reproduces it.
 
+`--save` must not hold a checkpoint already (a tracker file or `iter_*` folders): the export
+is refused unless `--force`, and even with `--force` it never moves the tracker back to an
+older iteration than it names (that would hide the newer checkpoint from every loader). The
+source is never written: `--save` may not be `--load`, a link to it, or inside it.
+
 Every failure (no checkpoint, not a `--dcp` checkpoint, a TP/PP the model cannot take,
-flags that do not match the checkpoint) ends with one `error:` line and a non-zero exit.
+flags that do not match the checkpoint, an unwritable `--save`, Ctrl-C) ends with one
+`error:` line and a non-zero exit (dcp_ext.cli.boundary: the console tools' one boundary).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import argparse
 import bisect
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -76,12 +83,52 @@ def parse_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--save", required=True, help="output directory (Megatron layout)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--force", action="store_true",
+                   help="write into a --save directory that already holds a checkpoint (never to an older "
+                        "iteration than its tracker names)")
     opts, rest = p.parse_known_args(argv)
     if opts.tensor_model_parallel_size < 1 or opts.pipeline_model_parallel_size < 1:
         raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    if os.path.abspath(opts.save) == os.path.abspath(opts.load):
+    save, load = os.path.realpath(opts.save), os.path.realpath(opts.load)
+    if save == load:
         raise ArgumentError("--save must differ from --load (the export would replace the source checkpoint)")
+    if os.path.commonpath([save, load]) == load:
+        raise ArgumentError(f"--save {opts.save} is inside --load {opts.load} (the export would write into the "
+                            "source checkpoint); choose a --save directory outside it")
     return opts, rest
+
+
+_CHECKPOINT_DIR = re.compile(r"^iter_\d{7}(\.old)?$")
+
+
+def check_destination(save: str, iteration: int, force: bool) -> None:
+    """Refuse an export that would damage what `save` holds: any checkpoint there without
+    --force; with --force, one whose tracker names a newer iteration than `iteration`."""
+    from dcp_ext.cli.boundary import check_output
+    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.arguments import ArgumentError
+
+    if os.path.lexists(save) and not os.path.isdir(save):
+        raise ConversionError(f"--save {save}: is a file, not a directory; point --save to a directory")
+    check_output("--save", os.path.join(save, ckpt.TRACKER), make_folder=True)
+    if not os.path.isdir(save):
+        return
+    try:
+        held = ckpt.read_tracker(save)
+    except ckpt.CheckpointError as e:
+        raise ConversionError(f"--save {save} holds an unreadable tracker ({e}); fix or remove it, or choose "
+                              "another --save directory") from None
+    folders = sorted(n for n in os.listdir(save) if _CHECKPOINT_DIR.match(n))
+    if held is None and not folders:
+        return
+    if not force:
+        what = f"its tracker names iteration {held}" if held is not None else folders[-1]
+        raise ArgumentError(f"--save {save} already holds a checkpoint ({what}); refusing to write the export "
+                            f"(iteration {iteration}) into it: choose an empty --save directory, or pass --force")
+    if held is not None and held > iteration:
+        raise ArgumentError(f"--save {save}: the export of iteration {iteration} would rewind its tracker from "
+                            f"iteration {held} to {iteration}, hiding the newer checkpoint from every loader; "
+                            "choose another --save directory")
 
 
 def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
@@ -362,21 +409,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tracker_or_none(root: str):
+    from megatron.training import checkpoint_protocol as ckpt
+
+    try:
+        return ckpt.read_tracker(root)
+    except ckpt.CheckpointError:
+        return "unreadable"
+
+
+def save_state(save: str, before, iteration: int) -> str:
+    """What `save` holds after an export that died, given its tracker `before` (the save
+    protocol leaves the tracker naming a complete checkpoint at every step)."""
+    now = _tracker_or_none(save)
+    if now is None or now == "unreadable":
+        return f"{save} holds no checkpoint ({'no' if now is None else 'an unreadable'} tracker)"
+    if now == iteration and before != iteration:
+        return f"{save}: its tracker names the new export, iteration {iteration}"
+    if now == before and now != iteration:
+        return f"{save}: its tracker still names iteration {now}"
+    return f"{save}: its tracker names iteration {now} (a complete copy)"
+
+
 def run_spawned(path: str, iteration: int, args) -> None:
     import torch.multiprocessing as mp
 
     world = args.world_size
+    before = _tracker_or_none(args.save)
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.start_processes(_spawned_rank, args=(world, _free_port(), d, path, iteration, args), nprocs=world,
                                start_method="spawn", join=True)
         except mp.ProcessExitedException as e:
             raise ConversionError(f"rank {e.error_index} died (exit code {e.exit_code}) during the export; "
-                                  f"{args.save} keeps its previous state") from None
+                                  f"{save_state(args.save, before, iteration)}") from None
         for r in range(world):
             file = os.path.join(d, f"{r}.json")
             if not os.path.isfile(file):
-                raise ConversionError(f"rank {r} ended without a result; {args.save} keeps its previous state")
+                raise ConversionError(f"rank {r} ended without a result; {save_state(args.save, before, iteration)}")
             with open(file) as f:
                 status = json.load(f)
             if not status["ok"]:
@@ -392,38 +462,35 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _quiet()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # spawned ranks start quiet too
+    from dcp_ext.cli.boundary import run_tool
     from megatron.training.arguments import ArgumentError
+    from megatron.training.checkpoint_protocol import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     rank = int(os.environ.get("RANK", "0")) if under_torchrun else 0
+    return run_tool(lambda: _main(argv, under_torchrun, rank),
+                    errors={ArgumentError: 2, ConversionError: 1, CheckpointError: 1}, quiet=rank != 0,
+                    interrupted="interrupted (Ctrl-C); the tracker of --save still names a complete checkpoint")
 
-    def fail(message: str, code: int) -> int:
-        if rank == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        return code
 
-    try:
-        opts, rest = parse_options(argv)
-        path, iteration = resolve_source(opts.load, opts.iteration)
-        common = load_common(path)
-        args = megatron_args(opts, rest, common)
-    except ArgumentError as e:
-        return fail(str(e), 2)
-    except ConversionError as e:
-        return fail(str(e), 1)
-    try:
-        if under_torchrun:
-            world = int(os.environ["WORLD_SIZE"])
-            if world != args.world_size:
-                return fail(f"launched on {world} ranks; this export needs tp*pp = {args.world_size} "
-                            "(or run it with plain python, which starts the ranks itself)", 2)
-            _init_gloo(rank, world, None)
-            convert_on_this_rank(path, iteration, common, args)
-        else:
-            run_spawned(path, iteration, args)
-    except ConversionError as e:
-        return fail(str(e), 1)
+def _main(argv: list[str], under_torchrun: bool, rank: int) -> int:
+    from megatron.training.arguments import ArgumentError
+
+    opts, rest = parse_options(argv)
+    path, iteration = resolve_source(opts.load, opts.iteration)
+    check_destination(opts.save, iteration, opts.force)
+    common = load_common(path)
+    args = megatron_args(opts, rest, common)
+    if under_torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.world_size:
+            raise ArgumentError(f"launched on {world} ranks; this export needs tp*pp = {args.world_size} "
+                                "(or run it with plain python, which starts the ranks itself)")
+        _init_gloo(rank, world, None)
+        convert_on_this_rank(path, iteration, common, args)
+    else:
+        run_spawned(path, iteration, args)
     if rank == 0:
         trained = args.trained_make_vocab_size_divisible_by
         vocab_flag = ("" if args.make_vocab_size_divisible_by == trained else

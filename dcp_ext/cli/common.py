@@ -9,48 +9,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Callable
 
 import numpy as np
 
+from dcp_ext.cli import boundary
+from dcp_ext.cli.boundary import CLIError, Parser  # noqa: F401  (dcp-plan and dcp-simulate import them here)
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
 
-class CLIError(Exception):
-    """Bad input to a tool: one `error:` line on stderr and exit `code` (2: flags, 1: files)."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one CLIError line (no usage block)."""
-
-    def error(self, message):
-        raise CLIError(f"{message} (see {self.prog} --help)", 2)
-
-
 def run_tool(main: Callable[[], int]) -> int:
-    """Call a tool's body; its bad input (CLIError, and the planner's own refusals) is one line."""
+    """Call a tool's body through the one boundary (dcp_ext.cli.boundary); the planner's own
+    refusals and bad data are one line too."""
     from dcp_ext.planning.planners.common import PlanningError
 
-    try:
-        return main()
-    except CLIError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.code
-    except PlanningError as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else 'no plan'}", file=sys.stderr, flush=True)
-        return 1
-    except OSError as e:  # writing --out / --json / --timeline
-        where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"error: cannot write{where}: {e.strerror or e}", file=sys.stderr, flush=True)
-        return 1
+    return boundary.run_tool(main, errors={PlanningError: 1, DataError: 1})
 
 
 def validate_common_args(args) -> None:
@@ -115,15 +91,32 @@ def load_lengths(path: str) -> np.ndarray:
         raise CLIError(str(e), 1) from None
 
 
+def _json_file(name: str, flag: str, kind: str):
+    """The JSON value in file `name`; CLIError (exit 1) says why there is none."""
+    if os.path.isdir(name):
+        raise CLIError(f"{flag} {name}: is a directory, not a JSON file", 1)
+    if not os.path.isfile(name):
+        raise CLIError(f"{flag} {name}: no such file", 1)
+    try:
+        with open(name) as f:
+            return json.load(f)
+    except OSError as e:
+        raise CLIError(f"{flag} {name}: cannot read it ({boundary.os_problem(e)[0]})", 1) from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{flag} {name}: not a {kind} JSON file: not a text file", 1) from None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{flag} {name}: not a {kind} JSON file: not valid JSON ({e.msg} at line {e.lineno} "
+                       f"column {e.colno}); fix the file, or name a preset instead", 1) from None
+
+
 def _spec(kind, name: str, flag: str):
     if name.endswith(".json"):
-        if not os.path.isfile(name):
-            raise CLIError(f"{flag} {name}: no such file", 1)
+        data = _json_file(name, flag, kind.__name__)
         try:
-            with open(name) as f:
-                return kind.from_json(json.load(f))
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise CLIError(f"{flag} {name}: not a {kind.__name__} JSON file ({str(e).splitlines()[0][:200]})", 1) from None
+            return kind.from_json(data)
+        except (ValueError, TypeError, KeyError) as e:  # SpecError names the field; a preset name its presets
+            raise CLIError(f"{flag} {name}: {boundary.first_line(e)[:300]}; fix the file, or name a preset "
+                           "instead", 1) from None
     try:
         return kind.from_preset(name)
     except (ValueError, KeyError) as e:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from dcp_ext.cli.boundary import check_output, writing
 from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
                                 planner_options, run_tool, validate_common_args)
 from dcp_ext.data.progress import Progress
@@ -32,6 +33,7 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--out", required=True, help="plan JSON to write")
     args = p.parse_args(argv)
     validate_common_args(args)
+    check_output("--out", args.out)  # before the planning, not after it
     lengths = load_lengths(args.lengths)
     truncated = np.minimum(lengths, args.max_seq_len)
     model, cluster = model_spec(args.model), cluster_spec(args.cluster)
@@ -50,7 +52,8 @@ def _main(argv: list[str] | None) -> int:
             validate_iteration(it, cluster.num_gpus, model.num_layers, model.num_attention_heads, model.num_query_groups)
             plan.iterations.append(it)
             bar.update(1)
-    plan.dump(args.out)
+    with writing("--out", args.out, "the plan"):
+        plan.dump(args.out)
     print(f"{planner.describe()}", file=sys.stderr)
     print(f"wrote {len(plan.iterations)} iterations to {args.out}; predicted mean {np.mean([it.predicted_time_s for it in plan.iterations]):.3f} s/iter, "
           f"planning {1000 * float(np.median(times)):.1f} ms/iter (median)")

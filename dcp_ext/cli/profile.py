@@ -43,6 +43,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dcp_ext.cli.boundary import Parser, check_output, run_tool, writing
+
 
 @dataclass(frozen=True)
 class TrainingSide:
@@ -52,6 +54,7 @@ class TrainingSide:
     parse_args: Callable  # (argv, world_size) -> Megatron's args, unpadded_vocab_size set
     transformer_config: Callable  # (args, **overrides) -> TransformerConfig
     cluster_for: Callable  # (num_gpus, args) -> the ClusterSpec --dcp training would assume
+    argument_errors: tuple = ()  # what parse_args raises for a bad flag: one line, exit 2
 
 
 @dataclass
@@ -264,7 +267,7 @@ def time_points(job: Job) -> list[Timing]:
 
 # ----------------------------------------------------------------------------- the CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dcp-profile", allow_abbrev=False,
         description="Time forward+backward micro-batches of a Megatron model over a grid of lengths and layouts, "
                     "fit the cost model, save the profile. Other flags are Megatron's (or --yaml-cfg FILE).")
@@ -289,8 +292,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on the CPU")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="profile.json")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no header line")
     return p
+
+
+# Bad flags end in SystemExit(message), as parse_layouts always did: the tool's boundary
+# (dcp_ext.cli.boundary.run_tool) says the message in one `error:` line, exit 2.
+_AT_LEAST = (("--nproc", "nproc", 1), ("--points", "points", 1), ("--repeats", "repeats", 1),
+             ("--warmup", "warmup", 0), ("--threads", "threads", 1), ("--min-seq-len", "min_seq_len", 1),
+             ("--max-seq-len", "max_seq_len", 1), ("--profile-layers", "profile_layers", 1))
+
+
+def check_flags(ours) -> None:
+    """Our own flags' ranges and spellings, before anything is parsed, built or started."""
+    for flag, dest, low in _AT_LEAST:
+        value = getattr(ours, dest)
+        if value is not None and value < low:
+            raise SystemExit(f"{flag} {value} must be >= {low}")
+    if ours.max_seq_len is not None and ours.max_seq_len < ours.min_seq_len:
+        raise SystemExit(f"--max-seq-len {ours.max_seq_len} is below --min-seq-len {ours.min_seq_len}")
+    recompute_options(ours)
+    docs_per_pack(ours)
+    if ours.layouts:
+        parse_layouts(ours.layouts)
+
+
+def recompute_options(ours) -> tuple[str, ...]:
+    rc = tuple(r.strip() for r in ours.recompute.split(",") if r.strip())
+    if not rc or set(rc) - {"none", "full"}:
+        raise SystemExit(f"--recompute {ours.recompute!r}: expected none, full or none,full")
+    return rc
+
+
+def docs_per_pack(ours) -> tuple[int, ...]:
+    items = [k.strip() for k in ours.docs_per_pack.split(",")]
+    if not items or not all(k.isdigit() and int(k) >= 1 for k in items):
+        raise SystemExit(f"--docs-per-pack {ours.docs_per_pack!r}: expected positive integers, comma separated "
+                         "(e.g. 1,2,4)")
+    return tuple(int(k) for k in items)
 
 
 def pad_vocab(args, tps: Sequence[int]) -> None:
@@ -328,9 +367,11 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
     from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
     ours, rest = build_parser().parse_known_args(argv)
+    check_flags(ours)
     cuda = torch.cuda.is_available()
-    nproc = ours.nproc or (torch.cuda.device_count() if cuda else 4)
+    nproc = ours.nproc if ours.nproc is not None else (torch.cuda.device_count() if cuda else 4)
     args = side.parse_args(rest, nproc)
+    check_output("--out", ours.out, make_folder=True)  # before the timing (minutes), not after
     pad_vocab(args, [1])
     if cuda:
         cluster = side.cluster_for(nproc, args)
@@ -358,12 +399,11 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
 def grid(ours, cm, layouts, max_len: int) -> list[dict]:
     from dcp_ext.planning.profile import profile_grid
 
-    rc = tuple(r.strip() for r in ours.recompute.split(",") if r.strip())
-    if not rc or set(rc) - {"none", "full"}:
-        raise SystemExit(f"--recompute {ours.recompute!r}: expected none, full or none,full")
-    docs = tuple(int(k) for k in ours.docs_per_pack.split(","))
-    return profile_grid(cm, max_len, layouts=layouts, recompute=rc, points=ours.points, docs_per_pack=docs,
-                        min_len=ours.min_seq_len)
+    if max_len < ours.min_seq_len:
+        raise SystemExit(f"the longest micro-batch, {max_len} tokens (--max-seq-len, else the model's "
+                         f"--dcp-max-seq-len or --seq-length), is below --min-seq-len {ours.min_seq_len}")
+    return profile_grid(cm, max_len, layouts=layouts, recompute=recompute_options(ours), points=ours.points,
+                        docs_per_pack=docs_per_pack(ours), min_len=ours.min_seq_len)
 
 
 def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
@@ -404,17 +444,27 @@ def run_profile(st: Setup):
     ours, args = st.ours, st.args
     max_len = ours.max_seq_len or args.dcp_max_seq_len or args.seq_length
     points = grid(ours, st.timed, st.layouts, max_len)
-    print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
-          f"{st.spec.hidden_size}), {st.cluster.name}, layouts {', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; "
-          f"{len(points)} micro-batches x ({ours.warmup} warm-up + {ours.repeats} timed)", file=sys.stderr, flush=True)
+    if not points:
+        raise SystemExit("the grid is empty: no micro-batch of --min-seq-len..--max-seq-len fits the layouts' "
+                         "context parallelism; raise --min-seq-len or choose other --layouts")
+    if not ours.quiet:
+        print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
+              f"{st.spec.hidden_size}), {st.cluster.name}, layouts "
+              f"{', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; {len(points)} micro-batches x "
+              f"({ours.warmup} warm-up + {ours.repeats} timed)", file=sys.stderr, flush=True)
     timings = time_points(job_for(st, points))
     profile = fit_profile(records(timings, args.num_layers), model=st.spec.to_json(), cluster=st.cluster.to_json())
-    os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
-    profile.save(ours.out)
+    with writing("--out", ours.out, "the profile"):
+        os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
+        profile.save(ours.out)
     return profile, timings
 
 
 def main(argv: Sequence[str] | None, side: TrainingSide) -> int:
+    return run_tool(lambda: _main(argv, side), errors={kind: 2 for kind in side.argument_errors})
+
+
+def _main(argv: Sequence[str] | None, side: TrainingSide) -> int:
     t0 = time.perf_counter()
     st = setup(argv, side)
     profile, timings = run_profile(st)

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from dcp_ext.cli.boundary import check_output, writing
 from dcp_ext.cli.common import (CLIError, Parser, add_common_args, batches, cluster_spec, load_lengths, model_spec,
                                 planner_options, run_tool, validate_common_args)
 from dcp_ext.planning.cost_model import CostModel
@@ -137,8 +138,10 @@ def run(args) -> dict:
         tl = args.timeline_planner if args.timeline_planner in plans else next(iter(plans))
         k = min(args.timeline_iteration, len(bs) - 1)
         ids = bs[k]
-        render_timeline(cm, plans[tl][k], dict(zip(ids, truncated[ids].tolist())), args.timeline,
-                        title=f"{tl}: {model.name} on {cluster.name}, iteration {k}, predicted {plans[tl][k].predicted_time_s:.3f} s")
+        with writing("--timeline", args.timeline, "the image"):
+            render_timeline(cm, plans[tl][k], dict(zip(ids, truncated[ids].tolist())), args.timeline,
+                            title=f"{tl}: {model.name} on {cluster.name}, iteration {k}, "
+                                  f"predicted {plans[tl][k].predicted_time_s:.3f} s")
         results["timeline"] = args.timeline
     return results
 
@@ -189,10 +192,13 @@ def _main(argv: list[str] | None) -> int:
     validate_common_args(args)
     if args.timeline_iteration < 0:
         raise CLIError(f"--timeline-iteration {args.timeline_iteration} must be >= 0")
+    for flag, path in (("--timeline", args.timeline), ("--json", args.json)):
+        if path:
+            check_output(flag, path)  # before the planners run, not after
     results = run(args)
     print(format_table(results))
     if args.json:
-        with open(args.json, "w") as f:
+        with writing("--json", args.json, "the results"), open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0 if all(r["valid"] for r in results["planners"].values()) else 1
 

@@ -12,6 +12,10 @@ import os
 
 from dcp_ext.data.errors import DataError
 
+# A document's token count as Megatron's .idx stores it (int32): anything longer is a typo or
+# garbage, and would overflow the int64 sums of the planners and reports.
+MAX_LENGTH = 2**31 - 1
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data", "lengths")
 
 
@@ -32,7 +36,7 @@ def lengths_path(name: str) -> str:
 
 
 def read_lengths(name: str, limit: int | None = None, *, flag: str = "--lengths", min_length: int = 1) -> list[int]:
-    """One integer >= `min_length` a line, from a path or a shipped file's name.
+    """One integer in [`min_length`, MAX_LENGTH] a line, from a path or a shipped file's name.
 
     Bad input raises DataError naming the file and the line (`flag` is the option that
     named the file, for the messages about the file itself).
@@ -58,6 +62,9 @@ def read_lengths(name: str, limit: int | None = None, *, flag: str = "--lengths"
                     raise DataError(f"{path}:{n + 1}: {t[:40]!r} is not an integer length (one per line)") from None
                 if v < min_length:
                     raise DataError(f"{path}:{n + 1}: length {v} must be >= {min_length} (tokens of a document)")
+                if v > MAX_LENGTH:
+                    raise DataError(f"{path}:{n + 1}: length {t[:40]} is too large (a document has at most "
+                                    f"{MAX_LENGTH} tokens)")
                 values.append(v)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not a text file of lengths (one integer per line)") from None

@@ -5,7 +5,8 @@ only calls `main()`. Output, as Megatron: `{output_prefix}_{key}_document.bin/.i
 `--json-keys` key. With `--sft`, one dataset `{output_prefix}_sft_document` plus its loss
 mask `{output_prefix}_sft_document_loss_mask` (see dcp_ext.data.sft). Every bad input
 (missing file, bad JSON with its line number, unknown tokenizer, token id out of the
-vocabulary) ends with one line on stderr and exit status 1.
+vocabulary, an output folder that cannot be written or a disk that fills) ends with one
+line on stderr and exit status 1 (2 for a bad flag), with no partial dataset left behind.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 
 import numpy as np
 
+from dcp_ext.cli.boundary import CLIError, Parser, check_output, run_tool, writing
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.progress import Progress
 from dcp_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
@@ -25,7 +27,7 @@ PROG = "preprocess_data.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = Parser(prog=PROG, description=__doc__.splitlines()[0])
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, one JSON object a line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
@@ -62,6 +64,23 @@ _STATE: dict = {}
 def _init_worker(tok_kwargs: dict, opts: dict) -> None:
     _STATE["tok"] = build_tokenizer(**tok_kwargs)
     _STATE["opts"] = opts
+
+
+def _start_pool(workers: int, tok_kwargs: dict, opts: dict):
+    """The --workers processes, started with Ctrl-C ignored: it reaches the whole process
+    group, and the driver alone answers it (one line, the pool terminated). A worker that
+    took it would die mid-task and leave the pool waiting for its result forever."""
+    import signal
+    import threading
+
+    context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    if threading.current_thread() is not threading.main_thread():  # signal dispositions: main thread only
+        return context.Pool(workers, initializer=_init_worker, initargs=(tok_kwargs, opts))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers from their start
+    try:
+        return context.Pool(workers, initializer=_init_worker, initargs=(tok_kwargs, opts))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _encode(item: tuple[int, bytes]):
@@ -111,9 +130,27 @@ def _encode(item: tuple[int, bytes]):
 
 # ---- driver -----------------------------------------------------------------------------------
 
-def _lines(path: str, counter: list):
+def _wind_down(pool, results, stop: list) -> None:
+    """End the --workers pool, also after an error or a Ctrl-C: stop feeding it lines, take the
+    few results in flight, then close and join. (Pool.terminate() while a worker is sending a
+    large result can deadlock in CPython's pool; it is only the fallback for a second Ctrl-C.)"""
+    stop.append(True)
+    try:
+        for _ in results or ():
+            pass
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+def _lines(path: str, counter: list, stop: list):
+    """(line number, raw line) of the non-blank lines; ends early once `stop` is non-empty."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if stop:
+                return
             counter[0] += len(raw)
             if raw.strip():
                 yield lineno, raw
@@ -124,11 +161,11 @@ def run(args) -> dict[str, str]:
     if not os.path.isfile(args.input):
         raise DataError(f"--input not found: {args.input}")
     if args.split_sentences:
-        raise DataError("--split-sentences is not supported (GPT data needs whole documents)")
+        raise CLIError("--split-sentences is not supported (GPT data needs whole documents)")
     if args.partitions != 1:
-        raise DataError("--partitions other than 1 is not supported")
+        raise CLIError("--partitions other than 1 is not supported")
     if args.workers < 1:
-        raise DataError("--workers must be >= 1")
+        raise CLIError(f"--workers {args.workers} must be >= 1")
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       vocab_size=args.vocab_size)
@@ -140,41 +177,46 @@ def run(args) -> dict[str, str]:
     from dcp_ext.data.indexed import DocumentWriter
 
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
-    writers = {k: DocumentWriter(prefixes[k], tokenizer.vocab_size, loss_mask=args.sft) for k in keys}
-    counter = [0]
+    out = ("--output-prefix", args.output_prefix, "the dataset")
+    check_output(out[0], prefixes[keys[0]] + ".bin", make_folder=True)  # before tokenizing, not after
+    writers = {}
+    counter, stop = [0], []
     total = os.path.getsize(args.input)
-    pool = None
+    pool = results = None
     try:
+        with writing(*out):
+            for k in keys:
+                writers[k] = DocumentWriter(prefixes[k], tokenizer.vocab_size, loss_mask=args.sft)
         if args.workers > 1:
-            pool = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn").Pool(
-                args.workers, initializer=_init_worker, initargs=(tok_kwargs, opts))
-            results = pool.imap(_encode, _lines(args.input, counter), chunksize=32)
+            pool = _start_pool(args.workers, tok_kwargs, opts)
+            results = pool.imap(_encode, _lines(args.input, counter, stop), chunksize=32)
         else:
             _init_worker(tok_kwargs, opts)
-            results = map(_encode, _lines(args.input, counter))
+            results = map(_encode, _lines(args.input, counter, stop))
         with Progress(f"tokenizing {os.path.basename(args.input)}", total=total, unit="B",
                       enabled=not args.no_progress) as bar:
             for lineno, res in results:
                 if isinstance(res, str):
                     raise DataError(f"line {lineno} of {args.input}: {res}")
-                for k, (ids, mask) in res.items():
-                    writers[k].add(ids, mask)
+                with writing(*out):  # a disk that fills: the flag and the prefix, not a traceback
+                    for k, (ids, mask) in res.items():
+                        writers[k].add(ids, mask)
                 bar.n = counter[0]
                 bar.update(0, extra=f"{writers[keys[0]].num_documents} docs")
         if all(w.num_documents == 0 for w in writers.values()):
             raise DataError(f"{args.input} has no non-empty documents")
         meta = {"tokenizer": dict(tokenizer.unique_identifiers), "eod": tokenizer.eod,
                 "source": os.path.abspath(args.input), "append_eod": bool(args.append_eod or args.sft)}
-        for k, w in writers.items():
-            w.finalize(dict(meta, json_key=k))
+        with writing(*out):
+            for k, w in writers.items():
+                w.finalize(dict(meta, json_key=k))
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _wind_down(pool, results, stop)
     for k, w in writers.items():
         print(f"{PROG}: wrote {w.num_documents} documents, {w.num_tokens} tokens to {prefixes[k]}.bin/.idx",
               file=sys.stderr)
@@ -182,13 +224,10 @@ def run(args) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except DataError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; no output written", file=sys.stderr)
-        return 130
+    return run_tool(lambda: _main(argv), prog=PROG, errors={DataError: 1},
+                    interrupted="interrupted (Ctrl-C); no output written")
+
+
+def _main(argv: list[str] | None) -> int:
+    run(build_parser().parse_args(argv))
     return 0

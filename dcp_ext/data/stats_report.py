@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
+from dcp_ext.cli.boundary import CLIError, Parser, check_output, run_tool, writing
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.data.stats import length_histogram, padding_overhead
@@ -21,7 +21,7 @@ PROG = "dataset_stats.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Length histogram and padding overhead of a dataset.")
+    p = Parser(prog=PROG, description="Length histogram and padding overhead of a dataset.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data-path", nargs="+", help="Megatron blend syntax: prefix, or w1 p1 w2 p2 ...")
     src.add_argument("--lengths-file", help="one token count a line")
@@ -115,24 +115,28 @@ def plot(lengths: np.ndarray, path: str, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_tool(lambda: _main(argv), prog=PROG, errors={DataError: 1})
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if min(args.cp + args.tp) < 1 or args.seq_length < 1 or (args.max_seq_len is not None and args.max_seq_len < 1):
+        raise CLIError("--cp, --tp, --seq-length and --max-seq-len must be >= 1")
+    png = args.png or "dataset_stats.png"
+    check_output("--png", png)  # before reading the dataset, not after
+    if args.json:
+        check_output("--json", args.json)
+    lengths, name = load_lengths(args)
+    max_seq_len = args.max_seq_len or args.seq_length
+    text, figures = report(lengths, name, args.seq_length, max_seq_len, args.cp, args.tp)
+    print(text)
     try:
-        if min(args.cp + args.tp) < 1 or args.seq_length < 1:
-            raise DataError("--cp, --tp and --seq-length must be >= 1")
-        lengths, name = load_lengths(args)
-        max_seq_len = args.max_seq_len or args.seq_length
-        text, figures = report(lengths, name, args.seq_length, max_seq_len, args.cp, args.tp)
-        png = args.png or "dataset_stats.png"
-        print(text)
-        try:
+        with writing("--png", png, "the histogram image"):
             plot(lengths, png, name)
-            print(f"\nhistogram image: {png}")
-        except ImportError:
-            print("\nno histogram image: `pip install matplotlib` for one")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1)
-    except DataError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        print(f"\nhistogram image: {png}")
+    except ImportError:
+        print("\nno histogram image: `pip install matplotlib` for one")
+    if args.json:
+        with writing("--json", args.json, "the figures"), open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
     return 0

@@ -9,13 +9,20 @@ collectives (bus bandwidth), not the marketing peak.
 """
 from __future__ import annotations
 
+import difflib
+import json
+import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from dcp_ext.planning.layout import bucket_numel_for  # noqa: F401  (re-exported: the cost model reads it here)
 
 GiB = 1024**3
+
+
+class SpecError(ValueError):
+    """A model or cluster description (a JSON object) that cannot be used; names the field."""
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,33 @@ class ClusterSpec:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ClusterSpec":
+        """A cluster from its JSON object (`to_json`), or a preset's `name` (with, optionally,
+        its own num_gpus/gpus_per_node); SpecError names a missing, unknown or bad field."""
+        _check_object(d, "ClusterSpec")
         if "gpu" not in d:
-            return cls.from_preset(d["name"])
-        return cls(name=d["name"], num_gpus=int(d["num_gpus"]), gpus_per_node=int(d["gpus_per_node"]), gpu=GPUKind(**d["gpu"]))
+            _check_fields(d, ("name",), ("num_gpus", "gpus_per_node"), "")
+            _check_str(d, "name", "")
+            preset = cls.from_preset(d["name"])
+            for key in ("num_gpus", "gpus_per_node"):
+                if key in d:
+                    _check_number(d, key, "", integer=True)
+                    if d[key] != getattr(preset, key):
+                        raise SpecError(f"{key} {d[key]} disagrees with preset {d['name']!r} "
+                                        f"({getattr(preset, key)}); drop it, or give the whole cluster with its gpu")
+            return preset
+        _check_fields(d, ("name", "num_gpus", "gpus_per_node", "gpu"), (), "")
+        _check_str(d, "name", "")
+        for key in ("num_gpus", "gpus_per_node"):
+            _check_number(d, key, "", integer=True)
+        _check_object(d["gpu"], "GPUKind", "gpu")
+        required, optional = _field_names(GPUKind)
+        _check_fields(d["gpu"], required, optional, "gpu: ")
+        _check_str(d["gpu"], "name", "gpu.")
+        for key in required[1:] + optional:
+            if key in d["gpu"]:
+                _check_number(d["gpu"], key, "gpu.", integer=key == "default_gpus_per_node",
+                              zero_ok=key in _GPU_MAY_BE_ZERO)
+        return cls(name=d["name"], num_gpus=d["num_gpus"], gpus_per_node=d["gpus_per_node"], gpu=GPUKind(**d["gpu"]))
 
     def with_(self, **changes: Any) -> "ClusterSpec":
         """A copy with cluster fields or GPU fields (e.g. memory_bytes=...) changed."""
@@ -247,13 +278,79 @@ class ModelSpec:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModelSpec":
-        if set(d) <= {"name"}:
+        """A model from its JSON object (`to_json`), or a preset's `name` alone; SpecError
+        names a missing, unknown or bad field."""
+        _check_object(d, "ModelSpec")
+        if d and set(d) <= {"name"}:
+            _check_str(d, "name", "")
             return cls.from_preset(d["name"])
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        required, optional = _field_names(cls)
+        _check_fields(d, required, optional, "")
+        _check_str(d, "name", "")
+        for key in required[1:] + optional:
+            if key not in d:
+                continue
+            if key in _MODEL_FLAGS:
+                if not isinstance(d[key], bool):
+                    raise SpecError(f"{key} must be true or false (got {_show(d[key])})")
+            else:
+                _check_number(d, key, "", integer=True, zero_ok=key in _MODEL_MAY_BE_ZERO)
+        if d["num_attention_heads"] % d["num_query_groups"]:
+            raise SpecError(f"num_attention_heads {d['num_attention_heads']} is not a multiple of "
+                            f"num_query_groups {d['num_query_groups']}")
+        return cls(**d)
 
     def with_(self, **changes: Any) -> "ModelSpec":
         return replace(self, **changes)
+
+
+# ---- validation of the JSON forms (from_json): one message a problem, naming the field
+_GPU_MAY_BE_ZERO = ("intra_node_latency", "inter_node_latency", "half_efficiency_tokens", "micro_batch_overhead_s",
+                    "reserved_bytes", "attention_doc_overhead_s")
+_MODEL_FLAGS = ("swiglu", "untie_embeddings_and_output_weights", "sequence_parallel", "hidden_dropout",
+                "gated_linear_unit")
+_MODEL_MAY_BE_ZERO = ("seq_length", "bucket_numel", "optimizer_bytes_per_param")
+
+
+def _show(v: Any) -> str:
+    return repr(v) if isinstance(v, str) else json.dumps(v)
+
+
+def _field_names(kind) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(fields without a default, in order; fields with one) of a dataclass."""
+    fs = fields(kind)
+    required = tuple(f.name for f in fs if f.default is MISSING and f.default_factory is MISSING)
+    return required, tuple(f.name for f in fs if f.name not in required)
+
+
+def _check_object(d: Any, kind: str, where: str = "") -> None:
+    if not isinstance(d, dict):
+        raise SpecError(f"{where + ': ' if where else ''}expected a JSON object (a {kind}), got {type(d).__name__}")
+
+
+def _check_fields(d: dict, required, optional, where: str) -> None:
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise SpecError(f"{where}missing field{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    known = tuple(required) + tuple(optional)
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        raise SpecError(f"{where}unknown field {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def _check_str(d: dict, key: str, where: str) -> None:
+    if not isinstance(d[key], str) or not d[key].strip():
+        raise SpecError(f"{where}{key} must be a non-empty string (got {_show(d[key])})")
+
+
+def _check_number(d: dict, key: str, where: str, integer: bool, zero_ok: bool = False) -> None:
+    v = d[key]
+    kind = "integer" if integer else "number"
+    ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
+    ok = ok and (isinstance(v, int) or math.isfinite(v)) and (v >= 0 if zero_ok else v > 0)
+    if not ok:
+        raise SpecError(f"{where}{key} must be a {'non-negative' if zero_ok else 'positive'} {kind} (got {_show(v)})")
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

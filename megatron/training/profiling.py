@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcp_ext.cli import profile
+from megatron.training.argument_errors import ArgumentError
 
 # Megatron flags that validation requires but profiling never uses.
 _UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4", "--min-lr", "0", "--lr-warmup-iters", "0"]
@@ -21,7 +22,7 @@ _NO_STATIC_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-para
 
 def megatron_args(argv: Sequence[str], world_size: int):
     """Megatron's parsed arguments for the model flags (training-only flags filled in)."""
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import parse_args
     from megatron.training.global_vars import build_tokenizer
 
     argv = list(argv)
@@ -51,7 +52,10 @@ def cluster_for(num_gpus: int, args):
     return dcp_cluster(num_gpus, args)
 
 
-SIDE = profile.TrainingSide(parse_args=megatron_args, transformer_config=transformer_config, cluster_for=cluster_for)
+# Megatron's flag errors (ArgumentError) are bad arguments: one `error:` line and exit 2 at the
+# tool's boundary, like our own flags'.
+SIDE = profile.TrainingSide(parse_args=megatron_args, transformer_config=transformer_config, cluster_for=cluster_for,
+                            argument_errors=(ArgumentError,))
 
 
 def setup(argv: Sequence[str] | None = None) -> profile.Setup:
