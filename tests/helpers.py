@@ -157,6 +157,32 @@ def _run_function(nproc: int, fn, args: tuple, env: dict, timeout: int) -> list:
     return results
 
 
+def rank_processes(proc: subprocess.Popen, marker: str, direct: bool = False, rank: str | None = None) -> list:
+    """The running descendants of a launched job whose command line holds `marker` (the
+    ranks of a torchrun job), in start order. A descendant that ends while it is being
+    looked at (a compiler the rank started, a rank exiting) is left out, not an error:
+    the process table changes under the walk."""
+    import psutil
+
+    found = []
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return found
+    for p in descendants:
+        try:
+            if marker not in " ".join(p.cmdline()):
+                continue
+            if direct and p.ppid() != proc.pid:
+                continue
+            if rank is not None and p.environ().get("RANK") != rank:
+                continue
+        except psutil.Error:
+            continue
+        found.append(p)
+    return found
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launched job: the descendants of a launcher still running, then its process
     group. torchrun starts each worker in a session of its own, so the group alone would

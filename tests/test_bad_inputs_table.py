@@ -33,7 +33,7 @@ import pytest
 
 from tests.conftest import TINY_MODEL
 from tests.entry_runner import make_runner, run_case
-from tests.helpers import ENTRY, drop_flags, kill_tree, read_loss_log, run_ranks, start_ranks
+from tests.helpers import ENTRY, drop_flags, kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
 from tests.test_bad_input import assert_one_line_error
 
 pytestmark = pytest.mark.dist
@@ -741,7 +741,6 @@ def test_layout_error_on_real_ranks(paths):
 @pytest.fixture(scope="module")
 def killed_run(paths, tmp_path_factory):
     """2 ranks resume the dcp checkpoint and train; rank 1 is killed (SIGKILL) mid-run."""
-    import psutil
 
     work = tmp_path_factory.mktemp("killed")
     log = str(work / "loss.jsonl")
@@ -756,8 +755,7 @@ def killed_run(paths, tmp_path_factory):
                     break
                 time.sleep(0.1)
             assert proc.poll() is None, "the run ended before it could be killed"
-            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                     if ENTRY in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
+            ranks = rank_processes(proc, ENTRY, rank="1")
             assert len(ranks) == 1
             ranks[0].send_signal(signal.SIGKILL)
             killed_at = time.time()

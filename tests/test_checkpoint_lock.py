@@ -18,7 +18,7 @@ import pytest
 from megatron.training import checkpoint_lock as lock
 from megatron.training.checkpoint_lock import LOCK_NAME, CheckpointLockError
 from tests.conftest import TINY_MODEL
-from tests.helpers import kill_tree, read_loss_log, run_ranks, start_ranks
+from tests.helpers import kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
 from tests.test_bad_input import assert_one_line_error
 
 DEAD_PID = 4194304 + 4321  # above Linux's largest pid_max: never a running process
@@ -218,10 +218,7 @@ def _wait(pred, proc, what, timeout=240):
 
 
 def _workers(proc):
-    import psutil
-
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "pretrain_gpt_dcp.py" in " ".join(p.cmdline()) and p.ppid() == proc.pid]
+    return rank_processes(proc, "pretrain_gpt_dcp.py", direct=True)
 
 
 def _listing(save):

@@ -10,11 +10,10 @@ import random
 import signal
 import time
 
-import psutil
 import pytest
 
 from tests.conftest import demo_flags
-from tests.helpers import ENTRY, kill_tree, read_loss_log, read_plan_log, start_ranks
+from tests.helpers import ENTRY, kill_tree, rank_processes, read_loss_log, read_plan_log, start_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a 12-iteration run killed and restarted: ~40 s
 
@@ -36,8 +35,7 @@ def test_kill_9_and_torchrun_restart_resume_exactly(demo_cache, adaptive_demo, t
             deadline = time.time() + 600
             while proc.poll() is None and time.time() < deadline:
                 if not killed and os.path.exists(log) and len(read_loss_log(log)) >= kill_at:
-                    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                               if ENTRY in " ".join(p.cmdline())]
+                    workers = rank_processes(proc, ENTRY)
                     os.kill(workers[-1].pid, signal.SIGKILL)
                     killed = True
                 time.sleep(0.2)

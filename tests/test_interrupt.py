@@ -6,11 +6,10 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from tests.conftest import TINY_MODEL
-from tests.helpers import ENTRY, kill_tree, read_loss_log, start_ranks
+from tests.helpers import ENTRY, kill_tree, rank_processes, read_loss_log, start_ranks
 from tests.test_bad_inputs_table import _worker_lines
 
 pytestmark = pytest.mark.dist
@@ -34,8 +33,7 @@ def interrupt_after_a_save(nproc, path, corpus, tmp_path):
                     break
                 time.sleep(0.05)
             assert proc.poll() is None, open(tmp_path / "err").read()[-3000:]
-            ranks = [proc.pid] if nproc == 1 else [
-                p.pid for p in psutil.Process(proc.pid).children(recursive=True) if ENTRY in " ".join(p.cmdline())]
+            ranks = [proc.pid] if nproc == 1 else [p.pid for p in rank_processes(proc, ENTRY)]
             for pid in ranks:  # what Ctrl-C in a terminal, or `kill -INT` to the job, delivers
                 os.kill(pid, signal.SIGINT)
             code = proc.wait(timeout=120)
