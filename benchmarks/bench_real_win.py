@@ -1,13 +1,17 @@
 """Megatron-core's best static layout vs `--dcp` adaptive on this machine, side by side in one run.
 
 Same model (the CPU demo's, examples/cpu_demo.yaml: 4 layers, hidden 128, 8 heads in 4 query
-groups, ffn 352, SwiGLU, RMSNorm, RoPE, byte-level vocabulary, fp32), same data (the demo
-corpus, `--demo-corpus`: this Python's standard-library modules cut into top-level blocks,
-long-tailed), same tokens (8192 per iteration: the static path's 4 samples of --seq-length
+groups, ffn 352, SwiGLU, RMSNorm, RoPE, fp32), same data, same tokens (8192 per iteration: the static path's 4 samples of --seq-length
 2048, documents concatenated with --reset-attention-mask --reset-position-ids; --dcp's
 8192-token global batches of documents up to 2048 tokens, longer ones split by
 --dcp-split-long-documents, so both paths train every token) and the same per-device budget
 (--dcp-device-memory 256MB unless --budget), on 4 gloo ranks.
+
+Data: by default a long-tailed corpus the way real ones are (benchmarks/long_tail_corpus.py:
+the document lengths of ../shared/data/lengths/text_reuters21578_cl100k.txt, news, median 154
+tokens, p99 993, max 5,651, filled with the demo corpus's bytes, byte-level tokens; --lengths
+names another shipped file); or any `.bin/.idx` with `--data-path PREFIX` and the tokenizer's
+flags (`--tokenizer-type`, `--tokenizer-model`, `--vocab-file`, `--merge-file`).
 
 Best static is searched over every layout of the ranks (tp, cp, pp with tp*cp*pp dividing
 them, DP the rest; --sequence-parallel with tp > 1, --use-distributed-optimizer as the demo),
@@ -28,8 +32,11 @@ lines' elapsed time) and over the whole command's wall clock, peak memory per ra
 line, and each worker's VmHWM read from outside), within budget, and dcp / best static.
 Results: benchmarks/results/real_win.json and real_win.png (tokens/s and peaks per run).
 
-    python benchmarks/bench_real_win.py             # ~8-10 min on 2 cores: 6 static runs (fallbacks included) + dcp, 5 iterations
-    python benchmarks/bench_real_win.py --quick     # ~5 min (measured 4.9): 3 static runs + dcp, 4 iterations
+    python benchmarks/bench_real_win.py             # 6 static runs (fallbacks included) + dcp, 6 iterations,
+                                                    # then the fixed-layout pairs (bench_fixed_layout.py)
+    python benchmarks/bench_real_win.py --quick     # 3 static runs + dcp, 5 iterations, no fixed-layout pairs
+    python benchmarks/bench_real_win.py --data-path /data/my_text_document --tokenizer-type GPT2BPETokenizer \
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 
 A run takes 55-90 s on 2 shared cores (~25-40 s to start 4 ranks, 4-15 s an iteration);
 times on a loaded machine move with the load, memory does not.
@@ -48,6 +55,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_fixed_layout as fixed_layout  # noqa: E402
+from bench_fixed_layout import Busy  # noqa: E402
 from machine import describe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +64,7 @@ sys.path.insert(0, REPO)
 DEMO = os.path.join(REPO, "examples", "cpu_demo.yaml")
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 MiB = 2**20
-DATA_LINE = ("data: the demo corpus (--demo-corpus: this Python's standard-library modules cut into top-level "
-             "blocks, byte-level tokens; long-tailed), documents split at {seq} tokens")
+TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                        r".*?lm loss: ([-+.\dEeinfa]+) \|(?:.*?layout: ([^|]+)\|)?(?:.*?\| tokens: (\d+) \|)?")
@@ -124,11 +132,48 @@ def static_configs(world: int, samples: int) -> list[Config]:
     return out
 
 
+def resolve_data(args) -> None:
+    """args.data_flags (for every run), args.vocab_size and args.data_line (what the table says)."""
+    import numpy as np
+
+    from dcp_ext.data.indexed import IndexedDocuments
+    from dcp_ext.data.tokenizers import build_tokenizer
+
+    if args.data_path is None:
+        from long_tail_corpus import DEFAULT_LENGTHS, ensure_long_tail_corpus
+
+        name = args.lengths or DEFAULT_LENGTHS
+        try:
+            prefix = ensure_long_tail_corpus(os.path.join(REPO, "cache"), name)
+        except FileNotFoundError as e:
+            raise BenchError(str(e)) from None
+        args.data_flags = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+        what = f"the long-tailed corpus (lengths of {os.path.basename(name)}, the demo corpus's bytes, byte-level)"
+        tokenizer = build_tokenizer("ByteLevelTokenizer")
+    else:
+        prefix = args.data_path
+        if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+            raise BenchError(f"--data-path {prefix}: no {prefix}.bin/.idx (give the prefix, without the suffix)")
+        kv = {f: getattr(args, f[2:].replace("-", "_")) for f in TOKENIZER_FLAGS}
+        args.data_flags = ["--data-path", prefix] + [x for f, v in kv.items() if v for x in (f, v)]
+        what = f"--data-path {prefix}"
+        try:
+            tokenizer = build_tokenizer(kv["--tokenizer-type"] or "ByteLevelTokenizer", kv["--vocab-file"],
+                                        kv["--merge-file"], kv["--tokenizer-model"])
+        except Exception as e:  # the tokenizer's own one-line error
+            raise BenchError(f"tokenizer: {e}") from None
+    args.vocab_size = tokenizer.vocab_size
+    lengths = np.asarray(IndexedDocuments(prefix).lengths, dtype=np.int64)
+    q = np.percentile(lengths, [50, 99]) if len(lengths) else [0, 0]
+    args.data_line = (f"data: {what}: {len(lengths):,} documents, median {q[0]:.0f} tokens, p99 {q[1]:.0f}, "
+                      f"max {lengths.max() if len(lengths) else 0:,}; documents split at {args.seq_length} tokens")
+
+
 def common_flags(args) -> list[str]:
     return ["--yaml-cfg", DEMO, "--seq-length", str(args.seq_length), "--max-position-embeddings",
             str(args.seq_length), "--train-iters", str(args.iters), "--lr-decay-iters", "60", "--log-interval", "1",
             "--eval-iters", "0", "--data-cache-path", os.path.join(REPO, "cache"), "--dcp-device-memory",
-            str(args.budget)]
+            str(args.budget)] + list(args.data_flags)
 
 
 def static_flags(c: Config, args) -> list[str]:
@@ -157,7 +202,7 @@ def predict(c: Config, args) -> tuple[float, float] | str:
         a = parse_args(static_flags(c, args), world_size=c.world)
     except ArgumentError as e:
         return f"invalid launch line: {e}"
-    a.padded_vocab_size = padded_vocab_size(257, a.make_vocab_size_divisible_by, c.tp)  # ByteLevelTokenizer
+    a.padded_vocab_size = padded_vocab_size(args.vocab_size, a.make_vocab_size_divisible_by, c.tp)
     cluster = ClusterSpec.cpu_gloo(c.world).with_(memory_bytes=float(args.budget_bytes), reserved_bytes=0.0)
     cm = CostModel(ModelSpec.from_megatron_args(a), cluster, memory_margin=0.0)
     lay = Layout(c.tp, c.cp, c.pp)
@@ -440,14 +485,26 @@ def parse_cli(argv):
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per iteration (global batch)")
     ap.add_argument("--run-timeout", type=float, default=420.0, help="seconds before a run is killed")
+    ap.add_argument("--data-path", default=None, help="a .bin/.idx prefix (default: the long-tailed corpus)")
+    ap.add_argument("--lengths", default=None, help="the default corpus's length file (../shared/data/lengths/)")
+    for flag in TOKENIZER_FLAGS:
+        ap.add_argument(flag, default=None, help="with --data-path: as pretrain_gpt_dcp.py")
+    ap.add_argument("--fixed-pairs", type=int, default=None,
+                    help="A B pairs of the fixed-layout comparison per layout (default 1, --quick 0)")
+    ap.add_argument("--busy", type=int, default=0, help="cores kept busy by competing processes (a straggler)")
     ap.add_argument("--json", default=os.path.join(RESULTS, "real_win.json"))
     ap.add_argument("--plot", default=os.path.join(RESULTS, "real_win.png"))
     args = ap.parse_args(argv)
+    args.fixed_pairs = args.fixed_pairs if args.fixed_pairs is not None else (0 if args.quick else 1)
+    if args.data_path is None and any(getattr(args, f[2:].replace("-", "_")) for f in TOKENIZER_FLAGS):
+        raise BenchError("the tokenizer flags go with --data-path (the default corpus is byte-level)")
+    if args.data_path is not None and args.lengths is not None:
+        raise BenchError("--lengths shapes the default corpus: drop it with --data-path")
     try:
         args.budget_bytes = memory_size(args.budget)
     except argparse.ArgumentTypeError as e:
         raise BenchError(f"--budget: {e}") from None
-    args.iters = args.iters if args.iters is not None else (4 if args.quick else 5)
+    args.iters = args.iters if args.iters is not None else (5 if args.quick else 6)
     args.static_runs = args.static_runs if args.static_runs is not None else (3 if args.quick else 6)
     if args.iters <= args.warmup:
         raise BenchError(f"--iters {args.iters} leaves no timed iteration after --warmup {args.warmup}: raise --iters")
@@ -461,7 +518,8 @@ def parse_cli(argv):
 def main(argv=None) -> int:
     try:
         args = parse_cli(argv)
-        require_flags(["--dcp-device-memory", "--dcp-split-long-documents", "--demo-corpus"], "this benchmark")
+        require_flags(["--dcp-device-memory", "--dcp-split-long-documents"], "this benchmark")
+        resolve_data(args)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -471,10 +529,15 @@ def main(argv=None) -> int:
     print(f"  {len(cands)} static configs; cost model prunes {sum(1 for c in cands if c.verdict.startswith('cost'))}, "
           f"holds back {sum(1 for c in cands if c.verdict.startswith('held'))} recompute variants; {runnable} to run, "
           f"at most {args.static_runs}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as work:
+    fixed = []
+    with Busy(args.busy), tempfile.TemporaryDirectory() as work:
         static = run_static(cands, args, work)
         dcp = launch("dcp adaptive", dcp_flags(args), args.nproc, work, args.run_timeout, note="[dcp] ")
         report(dcp, args)
+        if args.fixed_pairs:
+            fixed = fixed_layout.measure(argparse.Namespace(**{**vars(args), "layouts": list(fixed_layout.LAYOUTS),
+                                                               "repeats": args.fixed_pairs,
+                                                               "budget": fixed_layout.SPEED_BUDGET}), work)
     rows = [row("static", c.config.label, r, args, c.predicted_peak) for c, r in static]
     survivors = [r for r in rows if r["within_budget"] and not r["error"] and r["steady_tokens_per_s"]]
     best = max(survivors, key=lambda r: r["steady_tokens_per_s"]) if survivors else None
@@ -487,7 +550,7 @@ def main(argv=None) -> int:
           f"{args.iters} iterations a run ({args.warmup} warm-up left out of tok/s), budget {args.budget} "
           f"({budget_mib:.0f} MiB) per rank")
     print(f"machine: {describe()}")
-    print(DATA_LINE.format(seq=args.seq_length) + "; static: --seq-length samples with --reset-attention-mask "
+    print(args.data_line + "; static: --seq-length samples with --reset-attention-mask "
           "--reset-position-ids; dcp: --dcp-split-long-documents")
     what = next((r["what"] for r in rows if r["what"]), "?")
     print(f"peak MiB per rank: each run's own line ({what}); VmHWM: each worker's peak RSS read from outside "
@@ -509,12 +572,14 @@ def main(argv=None) -> int:
               f"(dcp {dcp_ok})")
     else:
         print("dcp / best static: n/a" + (" (dcp failed)" if dcp_row["error"] else ""))
+    if fixed:
+        fixed_layout.print_rows(fixed, args.busy)
     total = time.perf_counter() - t_start
     print(f"benchmark took {total / 60:.1f} min")
 
     result = {"machine": describe(), "budget": args.budget, "budget_bytes": args.budget_bytes, "iters": args.iters,
               "warmup": args.warmup, "tokens": args.tokens, "seq_length": args.seq_length, "nproc": args.nproc,
-              "data": DATA_LINE.format(seq=args.seq_length), "quick": args.quick, "runs": rows,
+              "data": args.data_line, "quick": args.quick, "runs": rows, "fixed_layout": fixed, "busy": args.busy,
               "best_static": best["run"] if best else None, "minutes": total / 60,
               "static_configs": [{**asdict(c.config), "predicted_peak_mib": None if c.predicted_peak is None else
                                   c.predicted_peak / MiB, "predicted_s": c.predicted_s, "verdict": c.verdict}

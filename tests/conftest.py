@@ -65,6 +65,16 @@ def pytest_configure(config):
     tiers.register(config)
 
 
+def pytest_sessionstart(session):
+    """Build matplotlib's font cache before any test: on a machine that has none (a fresh CI
+    runner) the first plot runs `fc-list`, a process start the tier rule would pin on
+    whichever unit test happens to draw first."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (the import builds the cache)
+    except ImportError:
+        pass
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
     import psutil

@@ -43,7 +43,7 @@ from dcp_ext.runtime.layer_switch import SwitchContext
 from dcp_ext.runtime.strategy_library import (alternative_types, apply_stage_layers, bind_alternatives,
                                               build_alternative, gather_alternative_runs, stage_strategies,
                                               switch_needs, switched_layout)
-from dcp_ext.runtime.timing import LocalTimings, PhaseClock
+from dcp_ext.runtime.timing import LocalTimings, PhaseClock, untimed
 from dcp_ext.runtime.initial_values import INIT_CHUNK, init_values, seed_rng_tracker
 
 @dataclass
@@ -171,6 +171,11 @@ class AdaptiveEngine:
                                       reduce_dtype=reduce_dtype, mode=exchange, slots=2 if overlap else 1)
         self._pull: PullStream | None = None
         self._push: PushStream | None = None
+        self.phase = untimed  # name -> context manager timing one phase of a step (`time_phases`)
+
+    def time_phases(self, timer: Callable[[str], contextlib.AbstractContextManager]) -> None:
+        """Time a step's phases with `timer(name)` (--timing-log-level 2; names in timing.PHASES)."""
+        self.phase = timer
 
     # ------------------------------------------------------------------- building
     def _config(self, rep: ReplicaType, sp: bool):
@@ -354,11 +359,13 @@ class AdaptiveEngine:
         """One training step of the plan on a document dataset: this rank's micro-batches are
         fetched, packed, padded and localised here, the loss divisor is the global batch's
         loss-token count. Raises NoTrainableTokens if the global batch has none."""
-        loss_tokens = num_loss_tokens(dataset, it.sample_ids, eod_mask_loss, eod)
-        if loss_tokens == 0:
-            raise NoTrainableTokens(f"iteration {it.index}: no token of the global batch is trained on")
-        stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
-        return self._step(it, stage, self._localize(stage, plans, batches, self.my_replica(it)), loss_tokens)
+        with self.phase("dcp-fetch-pack"):
+            loss_tokens = num_loss_tokens(dataset, it.sample_ids, eod_mask_loss, eod)
+            if loss_tokens == 0:
+                raise NoTrainableTokens(f"iteration {it.index}: no token of the global batch is trained on")
+            stage, plans, batches = self._packed(it, dataset, eod_mask_loss, eod)
+            local = self._localize(stage, plans, batches, self.my_replica(it))
+        return self._step(it, stage, local, loss_tokens)
 
     def eval_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
                        eod: int | None = None) -> tuple[float, float]:
@@ -416,14 +423,14 @@ class AdaptiveEngine:
 
     def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
-        bytes moved summed, the longest wait."""
+        bytes moved summed, the longest wait: one all-gather, summed in rank order."""
         counts = stage.runner.last and stage.rep.coords(self.rank)[0] == 0
-        total = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved], dtype=torch.float64,
-                             device=self.device)
-        dist.all_reduce(total)
-        wait = torch.tensor([waited], dtype=torch.float64, device=self.device)
-        dist.all_reduce(wait, op=dist.ReduceOp.MAX)
-        return total.tolist() + wait.tolist()
+        mine = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved, waited],
+                            dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        every = torch.stack(every).cpu()
+        return every[:, :3].sum(0).tolist() + [float(every[:, 3].max())]
 
     def _begin_pull(self, it: IterationPlan, stage: Stage):
         """Bind this iteration's alternative layers, start the pull; (exchange plan, elements
@@ -452,7 +459,8 @@ class AdaptiveEngine:
         moved_before = self.exchange.bytes_pulled + self.exchange.bytes_pushed
         waited_before = self.exchange.wait_s
         t0 = time.perf_counter()
-        plan, numel, push_buckets = self._begin_pull(it, stage)
+        with self.phase("dcp-pull"):
+            plan, numel, push_buckets = self._begin_pull(it, stage)
         sync_s = time.perf_counter() - t0 if not self.overlap else 0.0
         self.main_grads[:numel].zero_()
         self.optimizer.zero_grad()
@@ -461,25 +469,29 @@ class AdaptiveEngine:
                                 self.overlap)
         clock = PhaseClock(self.device, len(micro_batches))
         try:
-            loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull, self._push,
-                                                clock)
-            self._pull.drain()
+            with self.phase("forward-backward"):
+                loss_sum, tokens = stage.runner.run(micro_batches, scale / max(loss_tokens, 1), self._pull,
+                                                    self._push, clock)
+                self._pull.drain()
             t1 = time.perf_counter()
-            self._push.finish()
+            with self.phase("dcp-push"):
+                self._push.finish()
             if not self.overlap:
                 sync_s += time.perf_counter() - t1
         finally:
             self._pull = self._push = None
         timings = LocalTimings(it.replicas.index(self.my_replica(it)), stage.runner.pp_rank, clock.seconds(), sync_s,
                                time.perf_counter() - t0)
-        if self.grad_scaler is not None:
-            self.optimizer.unscale(1.0 / scale)
-        ok, norm = self.optimizer.step()
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(not ok)
+        with self.phase("optimizer"):
+            if self.grad_scaler is not None:
+                self.optimizer.unscale(1.0 / scale)
+            ok, norm = self.optimizer.step()
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(not ok)
         moved = self.exchange.bytes_pulled + self.exchange.bytes_pushed - moved_before
         waited = sync_s if not self.overlap else self.exchange.wait_s - waited_before
-        total_loss, total_tokens, total_moved, worst_wait = self._reduce(stage, loss_sum, tokens, moved, waited)
+        with self.phase("dcp-reduce"):
+            total_loss, total_tokens, total_moved, worst_wait = self._reduce(stage, loss_sum, tokens, moved, waited)
         return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale, timings)
 
     # ----------------------------------------------------------------- hooks

@@ -11,12 +11,24 @@ is the stage's time; only one stage writes each slot), so everyone gets the same
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+# The phases of one `--dcp` step, as Megatron's --timing-log-level 2 timers name them: the
+# wait for the prefetched plan, fetching and packing this rank's documents, the pull (its
+# part not overlapped), the replica's forward and backward (waits for peers included), the
+# push, the optimizer step on the shard, and the step's reductions.
+PHASES = ("dcp-plan-wait", "dcp-fetch-pack", "dcp-pull", "forward-backward", "dcp-push", "optimizer", "dcp-reduce")
+
+
+def untimed(name: str):
+    return contextlib.nullcontext()
 
 
 class PhaseClock:

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", type=str, default="969, 30, 1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--demo-corpus", action="store_true",
-                   help="build (once, cached) a corpus from this Python's standard library sources and train on it")
+                   help="build (once, cached) a corpus from this Python's standard library sources and train on it "
+                        "(--data-path, when given, wins)")
     g.add_argument("--tokenizer-type", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -302,6 +303,8 @@ def fill_derived(args: argparse.Namespace) -> None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.data_path and args.demo_corpus:
+        args.demo_corpus = False  # given data wins over the demo's (examples/cpu_demo.yaml sets demo-corpus)
     if args.dcp_max_seq_len is None:
         args.dcp_max_seq_len = args.seq_length
     if args.lr_decay_iters is None:

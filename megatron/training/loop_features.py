@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from dcp_ext.runtime.timing import PHASES
 from megatron.training.initialize import print_rank_0, print_rank_last
 
 
@@ -93,7 +94,7 @@ class LoopFeatures:
         """At each log line: the timers, averaged over the interval (Megatron's '(min, max) time')."""
         if self.timers is None or iteration % self.args.log_interval:
             return
-        names = ["adaptive-step"] if self.adaptive else [
+        names = ["adaptive-step", *PHASES] if self.adaptive else [
             "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send",
             "backward-recv", "backward-send", "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
             "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",

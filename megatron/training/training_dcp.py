@@ -317,6 +317,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
     logger = TrainingLogger(args)
     features = LoopFeatures(args, adaptive=True)
+    engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
     steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
                           recalibration)
     history = run_training(args, steps, iteration, features)
@@ -364,7 +365,8 @@ class AdaptiveSteps:
         args = self.args
         start = time.perf_counter()
         self.batch = batch = self.stream.next()
-        self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
+        with self.features.timer("dcp-plan-wait", level=2):
+            self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
         if list(self.it.sample_ids) != list(batch.sample_ids):
             raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
         if self.recalibration is not None:
