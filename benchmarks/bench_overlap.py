@@ -45,7 +45,7 @@ def run(name: str, extra: list[str], args, workdir: str) -> tuple[list[dict], fl
            "--dcp", "--dcp-global-batch-tokens", str(args.tokens), "--train-iters", str(args.iters),
            "--log-interval", str(args.iters), "--eval-iters", "0", "--loss-log", log,
            "--ddp-bucket-size", str(args.bucket_size)] + extra
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DCP_OVERLAP_ON_CPU="1")  # measure it here
     print(f"  running {name:10s} ({args.iters} iterations) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

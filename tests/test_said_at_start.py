@@ -40,3 +40,18 @@ def test_nothing_is_said_when_nothing_is_left_out(text_corpus, tmp_path):
                                          "--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert warnings(r.stdout) == []
+
+
+def test_overlap_flags_say_in_one_line_why_they_are_off_on_cpu(text_corpus, tmp_path):
+    """Overlapping gloo transfers with compute on the same cores made exposed communication
+    worse (benchmarks/bench_overlap.py): on CPU ranks --dcp turns it off and says so, once."""
+    from megatron.training.training_dcp import OVERLAP_OFF_ON_CPU
+
+    flags = TINY_MODEL + DCP + ["--dcp-max-seq-len", "128", "--dcp-split-long-documents", "--eval-iters", "0",
+                                "--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
+                                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    r = run_ranks(2, flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines().count(OVERLAP_OFF_ON_CPU) == 1, r.stdout[-3000:]
+    plain = run_ranks(2, flags[:-2])
+    assert plain.returncode == 0 and OVERLAP_OFF_ON_CPU not in plain.stdout

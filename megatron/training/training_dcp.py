@@ -278,6 +278,24 @@ def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
             f"{why}; first sample: {prefix} document {doc}")
 
 
+OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
+                      "transfer threads share the cores with the compute, so overlapping made the exposed "
+                      "communication worse here (benchmarks/bench_overlap.py); they take effect on GPUs")
+
+
+def overlap_for(args) -> bool:
+    """Whether the adaptive runtime overlaps its pull/push with compute: as the overlap flags
+    ask, except on CPU ranks, where it costs more than it hides (said in one line).
+    DCP_OVERLAP_ON_CPU=1 keeps it on there (benchmarks/bench_overlap.py measures both)."""
+    from dcp_ext.runtime.engine import default_device
+
+    asked = bool(args.overlap_param_gather or args.overlap_grad_reduce)
+    if asked and default_device().type == "cpu" and os.environ.get("DCP_OVERLAP_ON_CPU") != "1":
+        print_rank_0(OVERLAP_OFF_ON_CPU)
+        return False
+    return asked
+
+
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
     from dcp_ext.runtime.engine import AdaptiveEngine
 
@@ -300,7 +318,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         sequence_parallel=args.sequence_parallel,
         lr=args.lr, weight_decay=args.weight_decay, optimizer_options=optimizer_options_for(args),
         init_seed=args.seed, init_std=args.init_method_std,
-        exchange=args.dcp_exchange, overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
+        exchange=args.dcp_exchange, overlap=overlap_for(args),
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
         bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
         layer_strategies=args.dcp_layer_strategies == "on",
