@@ -6,6 +6,7 @@ import os
 import signal
 import time
 import uuid
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -163,16 +164,26 @@ def demo_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("dcp_cache"))
 
 
+class DemoRun(NamedTuple):
+    losses: list  # loss records
+    plans: dict  # plan records by index
+    ckpt: str  # its checkpoint folder
+    groups: dict  # rank -> process-group creations ({"call", "iterations_done"}), tests/group_count_entry.py
+
+
 @pytest.fixture(scope="session")
 def adaptive_demo(demo_cache, tmp_path_factory):
     """One uninterrupted 20-iteration adaptive run of the CPU demo on 4 ranks, the reference of
-    the runs that restart or resume it: (loss records, plan records by index, its checkpoint
-    folder). It saves every 3 iterations (saving changes nothing it computes), so the tests
+    the runs that restart or resume it (a DemoRun; its process-group creations recorded). It saves every 3 iterations (saving changes nothing it computes), so the tests
     that resume a 4-rank checkpoint take theirs from here instead of a run of their own."""
-    from tests.helpers import read_loss_log, read_plan_log, run_ranks
+    from tests.helpers import REPO, read_loss_log, read_plan_log, run_ranks
 
     root = tmp_path_factory.mktemp("adaptive_demo")
     log, plans, save = str(root / "loss.jsonl"), str(root / "plans.jsonl"), str(root / "ckpt")
-    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans) + ["--save", save, "--save-interval", "3"])
+    groups = str(root / "groups")
+    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans) + ["--save", save, "--save-interval", "3"],
+                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "group_count_entry.py"))
     assert r.returncode == 0, r.stderr[-3000:]
-    return read_loss_log(log), read_plan_log(plans), save
+    created = {rank: read_loss_log(f"{groups}.{rank}") if os.path.exists(f"{groups}.{rank}") else []
+               for rank in range(4)}
+    return DemoRun(read_loss_log(log), read_plan_log(plans), save, created)

@@ -54,21 +54,21 @@ def rank_env(env: dict | None = None) -> dict:
 
 
 def start_ranks(nproc: int, flags: list[str], out, err=subprocess.STDOUT, *, max_restarts: int = 0,
-                env: dict | None = None) -> subprocess.Popen:
+                env: dict | None = None, entry: str = ENTRY) -> subprocess.Popen:
     """Start pretrain_gpt_dcp.py with `flags` on `nproc` CPU ranks and return at once: torchrun
     (with `max_restarts`), or plain python for one rank without restarts. For tests that signal
     or kill ranks mid-run; `out`/`err` are open files (never pipes, see run_ranks). The caller
     ends it with kill_tree."""
-    cmd = [sys.executable, ENTRY]
+    cmd = [sys.executable, entry]
     if nproc > 1 or max_restarts:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--max-restarts={max_restarts}", ENTRY]
+               f"--max-restarts={max_restarts}", entry]
     return subprocess.Popen(cmd + flags, cwd=REPO, env=rank_env(env), stdout=out, stderr=err, text=True,
                             start_new_session=True)
 
 
 def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tuple = (), env: dict | None = None,
-              timeout: int = 600, torchrun: bool = False):
+              timeout: int = 600, torchrun: bool = False, entry: str = ENTRY):
     """Run a real job on `nproc` CPU gloo ranks and wait for it; give exactly one of:
 
     flags: the real entry point, `pretrain_gpt_dcp.py FLAGS`: `main()` in `nproc` children
@@ -78,7 +78,8 @@ def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tupl
         shared cores. `torchrun=True` (or DCP_TESTS_FRESH=1) runs it in fresh processes:
         torchrun for several ranks, plain python for one; tests of what torchrun itself does
         (its failure report, restarts, signals) use that. Returns the CompletedProcess (exit code, stdout, stderr); a job past
-        `timeout` s is killed and raises subprocess.TimeoutExpired.
+        `timeout` s is killed and raises subprocess.TimeoutExpired. `entry`: another script
+        that becomes the entry point (tests/group_count_entry.py: the same run, observed).
     fn: `fn(rank, world_size, *args)` in `nproc` freshly spawned processes, each with its gloo
         process group up (for tests that drive the runtime directly). Returns the ranks'
         JSON-able results in rank order; raises AssertionError naming the first rank that
@@ -91,11 +92,12 @@ def run_ranks(nproc: int, flags: list[str] | None = None, *, fn=None, args: tupl
     if not torchrun and not fresh_processes():
         from tests.entry_runner import shared_runner
 
-        r = shared_runner().run(flags, env=env, timeout=timeout, nproc=nproc)
+        r = shared_runner().run(flags, env=env, timeout=timeout, nproc=nproc,
+                                entry=None if entry == ENTRY else os.path.relpath(entry, REPO))
         if r.timed_out:
-            raise subprocess.TimeoutExpired(ENTRY, timeout)
+            raise subprocess.TimeoutExpired(entry, timeout)
         return r
-    return run_fresh(nproc, flags, env=env, timeout=timeout)
+    return run_fresh(nproc, flags, env=env, timeout=timeout, entry=entry)
 
 
 def run_tool(script: str, argv: list[str], *, env: dict | None = None, timeout: int = 600):
@@ -119,13 +121,13 @@ def fresh_processes() -> bool:
     return bool(os.environ.get("DCP_TESTS_FRESH") or os.environ.get("BAD_INPUTS_FRESH"))
 
 
-def run_fresh(nproc: int, flags: list[str], *, env: dict | None = None, timeout: int = 600):
+def run_fresh(nproc: int, flags: list[str], *, env: dict | None = None, timeout: int = 600, entry: str = ENTRY):
     """The entry point in fresh processes: torchrun for several ranks, plain python for one."""
     # Output goes to files, not pipes, and the whole process group is killed afterwards:
     # dist-checkpointing starts a multiprocessing manager per rank that outlives a rank
     # killed mid-save and would otherwise hold a pipe open forever.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = start_ranks(nproc, flags, out, err, env=env)
+        proc = start_ranks(nproc, flags, out, err, env=env, entry=entry)
         try:
             code = proc.wait(timeout=timeout)
         finally:

@@ -44,7 +44,7 @@ def test_kill_9_and_torchrun_restart_resume_exactly(demo_cache, adaptive_demo, t
             kill_tree(proc)
     assert killed, "the run ended before it could be killed"
     assert code == 0, open(tmp_path / "out.txt").read()[-3000:]
-    want_losses, want_plans, _ = adaptive_demo
+    want_losses, want_plans = adaptive_demo.losses, adaptive_demo.plans
     got = last_by_iteration(read_loss_log(log))
     resumed_from = 3 * ((kill_at) // 3)
     assert sorted(got) == list(range(1, 13))

@@ -21,13 +21,27 @@ def test_adaptive_switches_layouts_and_matches_static(demo_cache, adaptive_demo,
     log, plans = str(tmp_path / "static.jsonl"), str(tmp_path / "static.plans")
     r = run_ranks(4, demo_flags(demo_cache, "static", 20, log, plans))
     assert r.returncode == 0, r.stderr[-3000:]
-    adaptive, static = adaptive_demo[0], read_loss_log(log)
+    adaptive, static = adaptive_demo.losses, read_loss_log(log)
     assert len(adaptive) == len(static) == 20
     for a, s in zip(adaptive, static):
         assert a["lm loss"] == pytest.approx(s["lm loss"], rel=1e-4), (a, s)
-    layouts = [tuple(sorted((x["tp"], x["cp"], x["pp"]) for x in it["replicas"])) for it in adaptive_demo[1].values()]
+    layouts = [tuple(sorted((x["tp"], x["cp"], x["pp"]) for x in it["replicas"])) for it in adaptive_demo.plans.values()]
     assert len(set(layouts)) >= 2, "the adaptive planner never changed layout"
     assert adaptive[-1]["lm loss"] < adaptive[0]["lm loss"] - 0.5  # it learns
+
+
+def test_every_process_group_is_created_before_the_first_iteration(adaptive_demo):
+    """On NCCL a communicator costs seconds and every rank must create it in the same order:
+    the runtime creates each group its pool may need at start, none while it trains, though
+    the run changes layout and saves checkpoints every 3 iterations
+    (tests/group_count_entry.py counts new_group/new_subgroups calls from outside)."""
+    layouts = {tuple(sorted((x["tp"], x["cp"], x["pp"]) for x in it["replicas"])) for it in adaptive_demo.plans.values()}
+    assert len(layouts) >= 2, "the run never changed layout: nothing to create a group for"
+    created = adaptive_demo.groups
+    assert all(created[r] for r in range(4)), "no creation recorded: the count saw nothing"
+    assert len({len(created[r]) for r in range(4)}) == 1, {r: len(c) for r, c in created.items()}
+    late = {r: [c for c in created[r] if c["iterations_done"] > 0] for r in range(4)}
+    assert not any(late.values()), late
 
 
 def checkpoint_at(saved: str, iteration: int, into: str) -> str:
@@ -42,7 +56,7 @@ def checkpoint_at(saved: str, iteration: int, into: str) -> str:
 
 
 def test_adaptive_checkpoint_resumes_exactly_and_on_other_world_sizes(demo_cache, adaptive_demo, tmp_path):
-    losses, _, saved = adaptive_demo
+    losses, saved = adaptive_demo.losses, adaptive_demo.ckpt
     save = checkpoint_at(saved, 3, str(tmp_path / "ckpt"))  # saved on 4 ranks by the reference run
     reference = losses[3:6]
     for nproc in (4, 2, 8):
