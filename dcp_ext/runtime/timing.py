@@ -78,7 +78,8 @@ class LocalTimings:
 @dataclass
 class StepTimings:
     """Reduced over ranks: per replica (plan order) its micro-batches' forward+backward
-    summed over stages, its pull+push, its whole step; and the iteration's wall time."""
+    summed over stages, the exchange's own time (the quickest rank's pull+push: the same for
+    every replica), its whole step; and the iteration's wall time."""
 
     micro_batches: list[list[float]]
     sync_s: list[float]
@@ -94,16 +95,23 @@ def reduce_step(it, local: LocalTimings, wall_s: float, device) -> StepTimings:
         offsets.append(o)
         o += n * pp
     n_rep = len(shapes)
-    values = torch.zeros(o + 2 * n_rep + 1, dtype=torch.float64)
+    values = torch.zeros(o + 2 * n_rep + 2, dtype=torch.float64)
     base = offsets[local.replica]
     pp = shapes[local.replica][1]
     for j, secs in enumerate(local.micro_batches):
         values[base + j * pp + local.stage] = secs
     values[o + local.replica] = local.sync_s
     values[o + n_rep + local.replica] = local.replica_s
+    values[-2] = -local.sync_s  # MAX of the negatives: the quickest rank's pull+push
     values[-1] = wall_s
     values = values.to(device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     v = values.cpu().tolist()
     mbs = [[sum(v[offsets[r] + j * pp + p] for p in range(pp)) for j in range(n)] for r, (n, pp) in enumerate(shapes)]
-    return StepTimings(mbs, v[o : o + n_rep], v[o + n_rep : o + 2 * n_rep], v[-1])
+    # Every rank takes part in every bucket of the pull and the push, so a rank's time there
+    # is the transfer plus its wait for the last rank to arrive (an imbalance of compute, not
+    # a price of the exchange: counted as one it made a 4-rank CPU run price sync 40x and pick
+    # tp2 over dp4). The last to arrive waits for nobody: the quickest time is the transfer.
+    exchange = -v[-2]
+    sync = [exchange if v[o + r] > 0 else 0.0 for r in range(n_rep)]
+    return StepTimings(mbs, sync, v[o + n_rep : o + 2 * n_rep], v[-1])
