@@ -234,3 +234,55 @@ def test_a_planner_plans_with_the_measured_prices():
     assert again.predicted_time_s == pytest.approx(2 * fixed_again.predicted_time_s + 0.05, rel=0.05)
     state = live.planning_state()
     assert state["calibration"]["applied_through"] == 39
+
+
+def _planners(name, **extra):
+    lens = [int(x) for x in np.random.default_rng(0).choice([64, 200, 512, 1024, 2048], size=400)]
+    kw = dict(max_seq_len=2048, global_batch_tokens=8192, length_sample=lens, seed=0, **extra)
+    live = make_planner(name, MODEL, CLUSTER, **kw)
+    live.calibrate_online(Calibration())
+    return live, lens
+
+
+@pytest.mark.parametrize("name", ["adaptive", "static"])
+def test_memory_measured_beyond_the_model_is_charged_against_the_capacity(name):
+    """The runtime holds memory the cost model does not price (the demo on 4 CPU ranks: 14-27
+    MiB above the predicted peaks). Measured, it is reserved from the next plan on: every
+    plan after fits the smaller capacity, the most measured counts, and it is checkpointed."""
+    from dcp_ext.planning.simulator import simulate_iteration
+
+    live, lens = _planners(name, **({"layout": (2, 1, 1)} if name == "static" else {}))
+    cal, cm = live.cm.calibration, live.cm
+    before = cm.capacity_bytes
+    for i, excess in enumerate([6 * 2**20, 20 * 2**20, 3 * 2**20]):
+        cal.add(Observation(i, [], [], 0.0, float(excess)))
+    assert live.recalibrate() is True
+    assert cal.memory_reserve == cal.memory_excess == 20 * 2**20  # the most measured, all of it
+    assert cm.capacity_bytes == pytest.approx(before - 20 * 2**20)
+    for k in range(6):
+        ids = list(range(12 * k, 12 * k + 12))
+        it = live.plan(k, ids, [lens[i] for i in ids])
+        result = simulate_iteration(cm, it, {i: lens[i] for i in ids})
+        assert result.peak_bytes <= cm.capacity_bytes * (1 + 1e-9)
+    state = json.loads(json.dumps(live.planning_state()))
+    again, _ = _planners(name, **({"layout": (2, 1, 1)} if name == "static" else {}))
+    again.load_planning_state(state)
+    assert again.cm.capacity_bytes == cm.capacity_bytes
+
+
+def test_only_the_part_of_a_reserve_that_leaves_the_longest_document_a_place_is_charged():
+    live, lens = _planners("adaptive")
+    cal, cm = live.cm.calibration, live.cm
+    before = cm.capacity_bytes
+    cal.add(Observation(0, [], [], 0.0, before - 2**20))  # would leave 1 MiB for all of the state and activations
+    live.recalibrate()
+    assert 0 < cal.memory_reserve < before - 2**20 and cal.memory_excess == before - 2**20
+    assert cm.capacity_bytes == pytest.approx(before - cal.memory_reserve)
+    assert live._holds_longest()
+    cal.memory_reserve *= 1.01  # a little more and the longest document has nowhere to go
+    live._prices_changed()
+    assert not live._holds_longest()
+    cal.memory_reserve /= 1.01
+    live._prices_changed()
+    ids = list(range(5))
+    live.plan(0, ids, [2048, 100, 300, 64, 900])  # the longest document still has a place

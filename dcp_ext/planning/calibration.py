@@ -63,15 +63,18 @@ class Observation:
     micro_batches: list[MicroBatchSample]
     syncs: list[SyncSample]
     outside_s: float  # iteration wall time minus its slowest replica's
+    memory_excess: float = 0.0  # bytes: the most any rank held above its replica's predicted peak
 
 
 def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[Sequence[float]],
-            sync_s: Sequence[float], replica_s: Sequence[float], wall_s: float, stage_recompute) -> Observation:
+            sync_s: Sequence[float], replica_s: Sequence[float], wall_s: float, stage_recompute,
+            memory_excess: float = 0.0) -> Observation:
     """An Observation from a plan and the runtime's reduced timings: `mb_seconds[r][j]` the
     j-th micro-batch of replica r, forward+backward summed over its stages; `sync_s[r]`
     pull+push (0 when overlapped: not observed); `replica_s[r]` the replica's whole step;
     `wall_s` the iteration's. `stage_recompute(layout, recompute_layers)` gives the plan's
-    model-wide recompute count per stage (CostModel.stage_recompute)."""
+    model-wide recompute count per stage (CostModel.stage_recompute). `memory_excess`: bytes
+    the ranks held above their replicas' predicted peaks (the most over ranks; 0 unmeasured)."""
     mbs, syncs = [], []
     n = len(it.replicas)
     for r, rep in enumerate(it.replicas):
@@ -86,7 +89,7 @@ def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[
         if sync_s[r] > 0:
             syncs.append(SyncSample(tuple(lay), n, float(sync_s[r])))
     slowest = max((float(x) for x in replica_s), default=0.0)
-    return Observation(int(it.index), mbs, syncs, max(0.0, float(wall_s) - slowest))
+    return Observation(int(it.index), mbs, syncs, max(0.0, float(wall_s) - slowest), max(0.0, float(memory_excess)))
 
 
 # ----------------------------------------------------------------------------- the fit
@@ -178,6 +181,12 @@ class Calibration:
         self._sync_ratio: dict[tuple, float] = {}
         self._sync_pooled = 1.0
         self.outside_s = 0.0
+        # bytes the runtime holds beyond the cost model's account (allocator slack, the step's
+        # host-side work, communicator staging): the largest excess measured, charged against
+        # the capacity from the next plan on (`CostModel.capacity_bytes`)
+        self.memory_reserve = 0.0
+        self.memory_excess = 0.0  # the most measured (what the reserve would be, could it all be charged)
+        self.memory_charged_for = 0.0  # the excess the reserve was last set from (the planner's `_charge_memory`)
 
     # ------------------------------------------------------------------ input
     def add(self, obs: Observation) -> None:
@@ -195,6 +204,7 @@ class Calibration:
             for s in obs.syncs:
                 self.syncs.setdefault(s.layout, deque(maxlen=self.window)).append(s)
             self.outside.append(obs.outside_s)
+            self.memory_excess = max(self.memory_excess, float(obs.memory_excess))
             self.applied_through = obs.iteration
         self.pending = []
         self._refit(cm)
@@ -252,7 +262,8 @@ class Calibration:
         n = sum(len(d) for d in self.micro_batches.values())
         k = "/".join(f"{x:.2f}" for x in self._k_pooled)
         return f"c0/attention/token/doc x{k} over {n} micro-batches, sync x{self._sync_pooled:.2f}, " \
-               f"outside replicas {1000 * self.outside_s:.0f} ms"
+               f"outside replicas {1000 * self.outside_s:.0f} ms, memory beyond the model {self.memory_excess / 2**20:.0f} MiB " \
+               f"(reserved {self.memory_reserve / 2**20:.0f})"
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -261,13 +272,16 @@ class Calibration:
 
         def obs(o):
             return {"iteration": o.iteration, "micro_batches": [mb(s) for s in o.micro_batches],
-                    "syncs": [[list(s.layout), s.num_replicas, s.seconds] for s in o.syncs], "outside_s": o.outside_s}
+                    "syncs": [[list(s.layout), s.num_replicas, s.seconds] for s in o.syncs], "outside_s": o.outside_s,
+                    "memory_excess": o.memory_excess}
 
         return {"window": self.window, "applied_through": self.applied_through,
                 "micro_batches": [mb(s) for key in sorted(self.micro_batches) for s in self.micro_batches[key]],
                 "syncs": [[list(s.layout), s.num_replicas, s.seconds] for lay in sorted(self.syncs)
                           for s in self.syncs[lay]],
-                "outside": list(self.outside), "pending": [obs(o) for o in self.pending]}
+                "outside": list(self.outside), "pending": [obs(o) for o in self.pending],
+                "memory_reserve": self.memory_reserve, "memory_excess": self.memory_excess,
+                "memory_charged_for": self.memory_charged_for}
 
     def load_state_dict(self, state: dict, cm) -> None:
         """Windows and queued observations from a checkpoint; refitted against `cm`."""
@@ -285,8 +299,12 @@ class Calibration:
         self.outside.extend(float(x) for x in state.get("outside", []))
         self.applied_through = state.get("applied_through")
         self.pending = [Observation(int(o["iteration"]), [mb(v) for v in o["micro_batches"]],
-                                    [sync(v) for v in o["syncs"]], float(o["outside_s"]))
+                                    [sync(v) for v in o["syncs"]], float(o["outside_s"]),
+                                    float(o.get("memory_excess", 0.0)))
                         for o in state.get("pending", [])]
+        self.memory_reserve = float(state.get("memory_reserve", 0.0))
+        self.memory_excess = float(state.get("memory_excess", 0.0))
+        self.memory_charged_for = float(state.get("memory_charged_for", 0.0))
         if self.micro_batches or self.syncs or self.outside:
             self._refit(cm)
             self.version = 1

@@ -34,7 +34,9 @@ class MemoryAccounting:
     @property
     def capacity_bytes(self) -> float:
         g = self.cluster.gpu
-        return g.memory_bytes * (1.0 - self.memory_margin) - g.reserved_bytes
+        cal = getattr(self, "calibration", None)  # online recalibration charges memory measured beyond the model
+        measured = cal.memory_reserve if cal is not None else 0.0
+        return g.memory_bytes * (1.0 - self.memory_margin) - g.reserved_bytes - measured
 
     def state_bytes(self, layout: Layout, split=None) -> float:
         """Persistent bytes on one device, as the runtime allocates them: the rank's shared

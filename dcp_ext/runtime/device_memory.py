@@ -47,6 +47,7 @@ class PeakMemory:
     def __init__(self, device: torch.device, interval_s: float = 0.002):
         self.device = torch.device(device)
         self.baseline = 0
+        self._earlier = 0  # cuda: the peak before the last window_peak_bytes()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -54,7 +55,7 @@ class PeakMemory:
         self.sampled = anon is not None
         if self.sampled:
             self.baseline = anon * 1024
-            self._peak = self.baseline
+            self._peak = self._window = self.baseline
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._sample, args=(interval_s,), daemon=True,
                                             name="peak-memory-sampler")
@@ -70,12 +71,27 @@ class PeakMemory:
 
     def _read(self) -> None:
         anon = _status_kib("RssAnon")
-        if anon is not None and anon * 1024 > self._peak:
-            self._peak = anon * 1024
+        if anon is not None:
+            self._peak = max(self._peak, anon * 1024)
+            self._window = max(self._window, anon * 1024)
+
+    def window_peak_bytes(self) -> int | None:
+        """The peak since the last call (above the start point), then a new window begins;
+        None where only the whole run's peak can be read (the VmHWM fallback)."""
+        if self.device.type == "cuda":
+            window = int(torch.cuda.max_memory_allocated(self.device))
+            self._earlier = max(self._earlier, window)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return window
+        if not self.sampled:
+            return None
+        self._read()
+        window, self._window = self._window, _status_kib("RssAnon") * 1024
+        return max(0, window - self.baseline)
 
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return max(self._earlier, int(torch.cuda.max_memory_allocated(self.device)))
         if self.sampled:
             self._read()
             return max(0, self._peak - self.baseline)

@@ -85,23 +85,26 @@ class StepTimings:
     sync_s: list[float]
     replica_s: list[float]
     wall_s: float
+    memory_excess: float = 0.0  # bytes: the most any rank held above its replica's predicted peak
 
 
-def reduce_step(it, local: LocalTimings, wall_s: float, device) -> StepTimings:
-    """One MAX all-reduce over every rank (collective: every rank calls it each step)."""
+def reduce_step(it, local: LocalTimings, wall_s: float, device, memory_excess: float = 0.0) -> StepTimings:
+    """One MAX all-reduce over every rank (collective: every rank calls it each step).
+    `memory_excess`: bytes this rank held above its replica's predicted peak."""
     shapes = [(len(r.micro_batches), r.pp) for r in it.replicas]
     offsets, o = [], 0
     for n, pp in shapes:
         offsets.append(o)
         o += n * pp
     n_rep = len(shapes)
-    values = torch.zeros(o + 2 * n_rep + 2, dtype=torch.float64)
+    values = torch.zeros(o + 2 * n_rep + 3, dtype=torch.float64)
     base = offsets[local.replica]
     pp = shapes[local.replica][1]
     for j, secs in enumerate(local.micro_batches):
         values[base + j * pp + local.stage] = secs
     values[o + local.replica] = local.sync_s
     values[o + n_rep + local.replica] = local.replica_s
+    values[-3] = memory_excess
     values[-2] = -local.sync_s  # MAX of the negatives: the quickest rank's pull+push
     values[-1] = wall_s
     values = values.to(device)
@@ -114,4 +117,4 @@ def reduce_step(it, local: LocalTimings, wall_s: float, device) -> StepTimings:
     # tp2 over dp4). The last to arrive waits for nobody: the quickest time is the transfer.
     exchange = -v[-2]
     sync = [exchange if v[o + r] > 0 else 0.0 for r in range(n_rep)]
-    return StepTimings(mbs, sync, v[o + n_rep : o + 2 * n_rep], v[-1])
+    return StepTimings(mbs, sync, v[o + n_rep : o + 2 * n_rep], v[-1], v[-3])

@@ -13,22 +13,41 @@ from dcp_ext.runtime.timing import reduce_step
 
 
 class OnlineCalibration:
-    def __init__(self, planner, device):
+    def __init__(self, planner, device, peak_memory=None):
+        """peak_memory: this rank's PeakMemory (memory_report); its peak per iteration against
+        the plan's prediction is the memory the cost model misses."""
         self.planner = planner
         self.device = device
+        self.peak_memory = peak_memory
         self.calibration = Calibration()
         planner.calibrate_online(self.calibration)
 
     def between_plans(self) -> bool:
-        """Apply what was measured since the last call; True when the prices changed."""
+        """Apply what was measured since the last call; True when the prices changed. Called
+        just before a step: the memory window starts here (loading, saving and evaluating
+        between steps are not the plan's to answer for)."""
+        if self.peak_memory is not None:
+            self.peak_memory.window_peak_bytes()
         return self.planner.recalibrate()
 
     def measured(self, it, batch, result, wall_s: float) -> None:
         """Queue iteration `it`'s timings (collective: every rank calls it after each step)."""
-        t = reduce_step(it, result.timings, wall_s, self.device)
         lengths = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
+        t = reduce_step(it, result.timings, wall_s, self.device, self._memory_excess(it, lengths))
         self.calibration.add(observe(it, lengths, t.micro_batches, t.sync_s, t.replica_s, t.wall_s,
-                                     self.planner.cm.stage_recompute))
+                                     self.planner.cm.stage_recompute, t.memory_excess))
+
+    def _memory_excess(self, it, lengths: dict) -> float:
+        """Bytes this rank held during the step above its replica's predicted peak (0 unmeasured)."""
+        import torch.distributed as dist
+
+        from dcp_ext.planning.simulator import simulate_replica
+
+        measured = self.peak_memory.window_peak_bytes() if self.peak_memory is not None else None
+        if measured is None:
+            return 0.0
+        predicted = simulate_replica(self.planner.cm, it.replica_of(dist.get_rank()), lengths, len(it.replicas))
+        return max(0.0, measured - predicted.peak_bytes)
 
     def state_dict(self) -> dict:
         return self.calibration.state_dict()

@@ -329,7 +329,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                  f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
     scheduler = build_scheduler(args, engine.optimizer)
-    recalibration = OnlineCalibration(planner, engine.device) if args.dcp_recalibration == "on" else None
+    recalibration = OnlineCalibration(planner, engine.device, peak_memory) if args.dcp_recalibration == "on" else None
     iteration, consumed = 0, 0
     if args.load:
         iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)

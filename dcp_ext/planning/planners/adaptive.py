@@ -175,6 +175,7 @@ class AdaptivePlanner(PlannerBase):
         self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
         for c in self.pool.layouts:
             self._register(self.placements[c])
+        self._holdable = min(self.max_seq_len, max(t.max_doc for t in self.pool_tables.values()))
         self._current: LayoutMix | None = None
         self._last_index: int | None = None
 
@@ -294,6 +295,11 @@ class AdaptivePlanner(PlannerBase):
         # the tables' times (micro-batch constant, sync) follow the prices; memory caps do not move
         self.tables = {l: make_type_table(self.cm, l, self.recompute) for l in self.tables}
         self.pool_tables = {l: self.tables[l] for l in self.pool_tables}
+
+    def _holds_longest(self) -> bool:
+        """Every layout of the pool still holds a document alone, and the pool the longest it held at start."""
+        tables = self.pool_tables.values()
+        return all(t.caps_alone and t.max_doc > 0 for t in tables) and max(t.max_doc for t in tables) >= self._holdable
 
     def state_dict(self) -> dict:
         """The layout the switching rule stays with, as its place in the pool (and the pool,

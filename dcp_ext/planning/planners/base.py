@@ -98,10 +98,35 @@ class PlannerBase:
             return False
         self.cm.recalibrated()
         self._prices_changed()
+        if cal.memory_excess > cal.memory_charged_for:
+            self._charge_memory(cal)
         return True
+
+    def _charge_memory(self, cal) -> None:
+        """Reserve the memory measured beyond the cost model: all of it, or the most (by
+        bisection) that still leaves every document the planner could place at start a place;
+        the rest stays in --dcp-memory-margin. Deterministic: every rank charges the same."""
+        lo, hi = cal.memory_reserve, cal.memory_excess
+        cal.memory_charged_for = hi
+        cal.memory_reserve = hi
+        self._prices_changed()
+        if self._holds_longest():
+            return
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            cal.memory_reserve = mid
+            self._prices_changed()
+            lo, hi = (mid, hi) if self._holds_longest() else (lo, mid)
+        cal.memory_reserve = lo
+        self._prices_changed()
 
     def _prices_changed(self) -> None:
         """Planners that cache prices (tables built at start) refresh them here."""
+
+    def _holds_longest(self) -> bool:
+        """Whether the planner can still plan every document it could at start, at the cost
+        model's current capacity. Planners that do not say keep the start's capacity."""
+        return False
 
     def planning_state(self) -> dict:
         """`state_dict` plus the calibration's windows: what a checkpoint keeps."""

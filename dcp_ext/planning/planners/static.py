@@ -80,6 +80,11 @@ class StaticPlanner(PlannerBase):
                 return rs
         return None
 
+    def _holds_longest(self) -> bool:
+        lay, rs = self.layout, self.rs
+        return self.cm.max_tokens(lay, rs, lay.pp) >= self.max_seq_len and (
+            not self.cm.quadratic(lay) or self._holds(lay, rs))
+
     def _holds(self, lay: Layout, rs: int) -> bool:
         """Quadratic memory: a max_seq_len document fits at rs, pp of them in flight."""
         return self.cm.max_doc_length(lay, rs, lay.pp) >= self.max_seq_len
