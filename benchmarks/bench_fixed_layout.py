@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,6 @@ from machine import describe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-DEMO = os.path.join(REPO, "examples", "cpu_demo.yaml")
 SPEED_BUDGET = "8GB"  # --dcp-device-memory: high enough that no layout recomputes (speed, not memory)
 LAYOUTS = {"dp4": (1, 1), "tp2dp2": (2, 1), "cp4": (1, 4)}  # name -> (tp, cp), pp 1, 4 ranks
 
@@ -43,22 +43,18 @@ def layout_flags(tp: int, cp: int) -> list[str]:
              "--pipeline-model-parallel-size", "1"] + (["--sequence-parallel"] if tp > 1 else []))
 
 
-def common(args) -> list[str]:
-    return ["--yaml-cfg", DEMO, "--seq-length", str(args.seq_length), "--max-position-embeddings",
-            str(args.seq_length), "--train-iters", str(args.iters), "--lr-decay-iters", "60", "--log-interval", "1",
-            "--eval-iters", "0", "--data-cache-path", os.path.join(REPO, "cache"), "--dcp-device-memory",
-            args.budget] + list(args.data_flags)
-
-
 def static_run_flags(tp: int, cp: int, args) -> list[str]:
-    return common(args) + layout_flags(tp, cp) + ["--micro-batch-size", "1", "--global-batch-size",
-                                                  str(args.tokens // args.seq_length)]
+    """megatron-core's path at (tp, cp): bench_real_win's static launch line, micro-batch 1."""
+    from bench_real_win import Config, static_flags
+
+    return static_flags(Config(tp, cp, 1, 1, False, args.nproc), args)
 
 
 def dcp_run_flags(tp: int, cp: int, args) -> list[str]:
-    return common(args) + layout_flags(tp, cp) + [
-        "--dcp", "--dcp-planner", "static", "--dcp-max-seq-len", str(args.seq_length),
-        "--dcp-global-batch-tokens", str(args.tokens), "--dcp-split-long-documents"]
+    """The same layout under --dcp's static planner: bench_real_win's --dcp line at (tp, cp)."""
+    from bench_real_win import dcp_flags
+
+    return dcp_flags(args) + layout_flags(tp, cp) + ["--dcp-planner", "static"]
 
 
 class Busy:
@@ -78,8 +74,6 @@ class Busy:
 
 def exposed_share(run) -> float | None:
     """Median over the timed iterations of the `--dcp` log line's exposed comm / iteration time."""
-    import re
-
     shares = []
     for m in re.finditer(r"elapsed time per iteration \(ms\): ([\d.]+) \|.*?exposed comm \(ms\): ([\d.]+)", run.text):
         shares.append(float(m.group(2)) / float(m.group(1)))

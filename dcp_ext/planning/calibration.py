@@ -186,7 +186,6 @@ class Calibration:
         # the capacity from the next plan on (`CostModel.capacity_bytes`)
         self.memory_reserve = 0.0
         self.memory_excess = 0.0  # the most measured (what the reserve would be, could it all be charged)
-        self.memory_charged_for = 0.0  # the excess the reserve was last set from (the planner's `_charge_memory`)
 
     # ------------------------------------------------------------------ input
     def add(self, obs: Observation) -> None:
@@ -280,8 +279,7 @@ class Calibration:
                 "syncs": [[list(s.layout), s.num_replicas, s.seconds] for lay in sorted(self.syncs)
                           for s in self.syncs[lay]],
                 "outside": list(self.outside), "pending": [obs(o) for o in self.pending],
-                "memory_reserve": self.memory_reserve, "memory_excess": self.memory_excess,
-                "memory_charged_for": self.memory_charged_for}
+                "memory_reserve": self.memory_reserve, "memory_excess": self.memory_excess}
 
     def load_state_dict(self, state: dict, cm) -> None:
         """Windows and queued observations from a checkpoint; refitted against `cm`."""
@@ -304,7 +302,6 @@ class Calibration:
                         for o in state.get("pending", [])]
         self.memory_reserve = float(state.get("memory_reserve", 0.0))
         self.memory_excess = float(state.get("memory_excess", 0.0))
-        self.memory_charged_for = float(state.get("memory_charged_for", 0.0))
         if self.micro_batches or self.syncs or self.outside:
             self._refit(cm)
             self.version = 1

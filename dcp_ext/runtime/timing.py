@@ -11,9 +11,8 @@ is the stage's time; only one stage writes each slot), so everyone gets the same
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ PHASES = ("dcp-plan-wait", "dcp-fetch-pack", "dcp-pull", "forward-backward", "dc
 
 
 def untimed(name: str):
-    return contextlib.nullcontext()
+    return nullcontext()
 
 
 class PhaseClock:

@@ -94,12 +94,14 @@ class PlannerBase:
         """Apply the measurements queued since the last call (between plans only: every
         rank must plan the next iteration from the same prices). True when prices changed."""
         cal = self.cm.calibration
+        excess = cal.memory_excess if cal is not None else 0.0
         if cal is None or not cal.apply(self.cm):
             return False
         self.cm.recalibrated()
-        self._prices_changed()
-        if cal.memory_excess > cal.memory_charged_for:
+        if cal.memory_excess > excess:  # a new most: charge it (the tables are rebuilt there)
             self._charge_memory(cal)
+        else:
+            self._prices_changed()
         return True
 
     def _charge_memory(self, cal) -> None:
@@ -107,7 +109,6 @@ class PlannerBase:
         bisection) that still leaves every document the planner could place at start a place;
         the rest stays in --dcp-memory-margin. Deterministic: every rank charges the same."""
         lo, hi = cal.memory_reserve, cal.memory_excess
-        cal.memory_charged_for = hi
         cal.memory_reserve = hi
         self._prices_changed()
         if self._holds_longest():
