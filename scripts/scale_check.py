@@ -96,8 +96,9 @@ def load_lengths(path: str):
 
 
 def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: str | None = None):
-    """The planner `--dcp` training builds (training_dcp.build_planner), on a named cluster;
-    `layouts`: a fixed pool ("1xtp2cp1pp2+1xtp4cp1pp1") instead of the pool search."""
+    """The planner `--dcp` training builds (training_dcp.build_planner), on a named cluster,
+    with its reserve of layouts for re-choosing the pool (`--dcp-recalibration on`, the
+    default); `layouts`: a fixed pool ("1xtp2cp1pp2+1xtp4cp1pp1") instead of the pool search."""
     from dcp_ext.planning.planner import make_planner
     from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
@@ -107,7 +108,7 @@ def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: 
     planner = make_planner(args.dcp_planner, model, cluster, max_seq_len=args.dcp_max_seq_len,
                            global_batch_tokens=args.dcp_global_batch_tokens, length_sample=sample,
                            memory_margin=args.dcp_memory_margin, seed=args.seed, sample_count=sample_count,
-                           **({"layouts": [layouts]} if layouts else {}))
+                           **({"layouts": [layouts]} if layouts else {"rechoose_pool": True}))
     return planner
 
 
@@ -205,12 +206,14 @@ def build_engine(args, planner):
 
 
 def cost_model_bytes(cm, layout) -> dict[str, float]:
-    """CostModel.state_bytes(layout), split into the engine's kinds (the same terms)."""
+    """CostModel.state_bytes(layout), split into the engine's kinds (the same terms) and the
+    communicators' buffers beyond the GPU kind's reserve (NCCL's, not the engine's)."""
     m = cm.model
     buffer = cm.buffer_params_for(layout)
     opt = m.num_params * m.optimizer_bytes_per_param / cm.cluster.num_gpus
     out = {"parameters": buffer * m.param_bytes, "main_grads": buffer * m.grad_bytes,
-           "master": opt * 4 / 16, "grad_shard": opt * 4 / 16, "adam": opt * 8 / 16, "exchange": cm.exchange_bytes}
+           "master": opt * 4 / 16, "grad_shard": opt * 4 / 16, "adam": opt * 8 / 16, "exchange": cm.exchange_bytes,
+           "communicators": cm.communicator_bytes}
     total = cm.state_bytes(layout)
     assert math.isclose(sum(out.values()), total, rel_tol=1e-9), (out, total)
     return out
@@ -254,6 +257,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     import numpy as np
     import torch.distributed as dist
 
+    from dcp_ext.planning.communicators import communicators_per_rank
     from dcp_ext.planning.cost_model import Layout
     from megatron.training.arguments import parse_args
 
@@ -304,10 +308,14 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
         f"{engine.registry.num_groups} process groups, {engine.sharding.num_buckets} buckets, "
         f"stages {stage_numel}")
 
+    # communicators: the planner's count (every registered type's groups) and the engine's own
+    mine_comms = communicators_per_rank(planner.replica_types(), world)
+    engine_comms = sum(1 for ranks in engine.registry._groups if len(ranks) > 1 and chosen in ranks)
     per_layout = {str(l): cost_model_bytes(cm, l) for l in layouts}
     worst_layout = max(layouts, key=lambda l: cm.state_bytes(l))
     cm_kinds = per_layout[str(worst_layout)]
-    cm_total = cm.state_bytes(worst_layout)
+    comm_bytes = cm_kinds.pop("communicators")  # NCCL's buffers: beside the engine's kinds, in the need
+    cm_total = cm.state_bytes(worst_layout) - comm_bytes
     engine_total = float(sum(held.values()))
     rel = (engine_total - cm_total) / cm_total
     kind_diff = {k: (held.get(k, 0) - cm_kinds.get(k, 0.0)) for k in sorted(set(held) | set(cm_kinds))}
@@ -315,7 +323,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     log(f"{name}: planning {iterations} iterations for the activation peak")
     act = activation_peaks(planner, chosen, lengths, iterations)
     capacity = cm.capacity_bytes
-    need = engine_total + act["activation_bytes"]
+    need = engine_total + comm_bytes + act["activation_bytes"]
     verdict = "OK" if need <= capacity * (1 + 1e-9) else "OVER"
     dist.destroy_process_group()
     return {
@@ -337,6 +345,9 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
         "activation_layout": act["layout"], "planned": act["planned"],
         "capacity_bytes": capacity, "device_bytes": cm.cluster.gpu.memory_bytes,
         "need_bytes": need, "verdict": verdict,
+        "communicators": {"rank": mine_comms[chosen], "engine_rank": engine_comms, "most": max(mine_comms),
+                          "charged": cm.communicators, "reserved": cm.cluster.gpu.reserved_communicators,
+                          "bytes_each": cm.cluster.gpu.communicator_bytes, "charged_bytes": comm_bytes},
         "plan_build_s": plan_build_s, "engine_build_s": engine_build_s, "wall_s": time.perf_counter() - t_start,
     }
 
@@ -344,14 +355,17 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
 # ----------------------------------------------------------------------------- output
 def format_table(results: list[dict]) -> str:
     cols = ["model", "rank", "replica types on it"] + [f"{k} GB" for k in KINDS] + \
-           ["engine GB", "cost model GB", "diff %", "peak act GB", "need GB", "capacity GB", "device GB", "verdict"]
+           ["engine GB", "cost model GB", "diff %", "comms", "comms GB", "peak act GB", "need GB", "capacity GB",
+            "device GB", "verdict"]
     rows = []
     for r in results:
         e = r["engine_bytes"]
         rows.append([r["model"], str(r["rank"]), " ".join(r["replica_types"])]
                     + [f"{e.get(k, 0) / GB:.3f}" for k in KINDS]
                     + [f"{r['engine_total_bytes'] / GB:.3f}", f"{r['cost_model_total_bytes'] / GB:.3f}",
-                       f"{100 * r['rel_diff']:+.2f}", f"{r['activation_bytes'] / GB:.2f}", f"{r['need_bytes'] / GB:.2f}",
+                       f"{100 * r['rel_diff']:+.2f}", f"{r['communicators']['rank']}/{r['communicators']['most']}",
+                       f"{r['communicators']['charged_bytes'] / GB:.2f}",
+                       f"{r['activation_bytes'] / GB:.2f}", f"{r['need_bytes'] / GB:.2f}",
                        f"{r['capacity_bytes'] / GB:.2f}", f"{r['device_bytes'] / GB:.0f}", r["verdict"]])
     w = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = lambda xs: "| " + " | ".join(x.ljust(w[i]) for i, x in enumerate(xs)) + " |"  # noqa: E731
@@ -375,9 +389,13 @@ def format_details(r: dict, tolerance: float) -> str:
                f"({r['activation_layout']}); per planned iteration: " + ", ".join(
                    f"{p['iteration']}:{p['layout']} {p['activation_bytes'] / GB:.2f} GB ({p['micro_batches']} mb, "
                    f"{p['recomputed']} recomputed)" for p in r["planned"]))
+    c = r["communicators"]
+    out.append(f"  communicators (process groups of 2+ ranks): {c['rank']} on this rank (the engine created "
+               f"{c['engine_rank']}), {c['most']} on the busiest rank; charged {c['charged']} - {c['reserved']} in the "
+               f"reserve = {max(0, c['charged'] - c['reserved'])} x {c['bytes_each'] / 2**30:.2f} GiB = {c['charged_bytes'] / GB:.2f} GB")
     flag = "within" if abs(r["rel_diff"]) <= tolerance else "BEYOND"
     out.append(f"  engine vs cost model {100 * r['rel_diff']:+.2f}% ({flag} {100 * tolerance:.0f}%); "
-               f"engine + activations {r['need_bytes'] / GB:.2f} GB vs capacity {r['capacity_bytes'] / GB:.2f} GB "
+               f"engine + communicators + activations {r['need_bytes'] / GB:.2f} GB vs capacity {r['capacity_bytes'] / GB:.2f} GB "
                f"(device {r['device_bytes'] / GB:.0f} GB): {r['verdict']}; "
                f"planner {r['plan_build_s']:.0f} s, engine {r['engine_build_s']:.1f} s")
     return "\n".join(out)

@@ -42,11 +42,26 @@ class MemoryAccounting:
         """Persistent bytes on one device, as the runtime allocates them: the rank's shared
         parameter and fp32 main-grad buffers (sized to the largest stage it can play: this
         layout's, or the pool's when `charge_shared_buffers` was called), its shard of the
-        optimizer state (fp32 master, fp32 gradient, Adam moments) and the exchange buffers."""
+        optimizer state (fp32 master, fp32 gradient, Adam moments), the exchange buffers and
+        the communicators beyond those the GPU kind's reserve has room for."""
         m = self.model
         buffer = self.buffer_params_for(layout, split)
         opt = m.num_params * m.optimizer_bytes_per_param / self.cluster.num_gpus
-        return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes
+        return buffer * (m.param_bytes + m.grad_bytes) + opt + self.exchange_bytes + self.communicator_bytes
+
+    @property
+    def communicator_bytes(self) -> float:
+        """Device bytes of a rank's communicators beyond the `reserved_communicators` that
+        `reserved_bytes` has room for (`charge_communicators` sets the count)."""
+        g = self.cluster.gpu
+        return max(0, self.communicators - g.reserved_communicators) * g.communicator_bytes
+
+    def charge_communicators(self, types) -> None:
+        """Charge every layout the communicators (groups of two or more ranks) of the rank
+        that belongs to the most of them, over the replica types `types` the runtime creates."""
+        from dcp_ext.planning.communicators import communicators_per_rank
+
+        self.communicators = max(communicators_per_rank(types, self.cluster.num_gpus), default=0)
 
     def buffer_params_for(self, layout: Layout, split=None) -> float:
         """Parameters in the shared buffers of a device that runs `layout` (under `split`,

@@ -135,6 +135,7 @@ class CostModel(MemoryAccounting):
         self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
         self.buffer_params = 0.0  # see charge_shared_buffers
         self.buffer_by_layout: dict = {}
+        self.communicators = 0  # per rank, the most over ranks: see charge_communicators
         # uneven pipeline stages: Layout -> layers per stage (dcp_ext.planning.planners.stage_split);
         # empty: every layout splits its layers evenly
         self.stage_splits: dict[Layout, tuple[int, ...]] = {}

@@ -45,14 +45,24 @@ class GPUKind:
     # or interpreter work that does not shrink with tp or cp: negligible with varlen
     # flash attention, real for a per-document attention loop on the CPU)
     attention_doc_overhead_s: float = 0.0
+    # device bytes one communicator (a process group of two or more ranks) holds for its
+    # transport buffers: NCCL allocates them per channel and peer connection (ring: two
+    # peers; 4 MiB SIMPLE + ~4.6 MiB LL128 + 0.25 MiB LL FIFOs each; ~16 channels on
+    # NVLink parts), ~0.25 GiB. 0 where groups hold no device memory (gloo).
+    communicator_bytes: float = 0.0
+    # communicators `reserved_bytes` already has room for: a static Megatron job's own
+    # (tp, cp, pp, dp, tp-cp, dp-cp, model parallel, embedding); the pool's others are charged
+    reserved_communicators: int = 8
 
+
+COMMUNICATOR_BYTES = 0.25 * GiB  # see GPUKind.communicator_bytes
 
 # Published peak numbers; efficiencies are typical Megatron figures on these parts.
 GPU_KINDS: dict[str, GPUKind] = {
-    "h200": GPUKind("h200", 989e12, 141e9, 4.8e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 6 * GiB),
-    "h100": GPUKind("h100", 989e12, 80e9, 3.35e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 5 * GiB),
-    "a800": GPUKind("a800", 312e12, 80e9, 2.0e12, 160e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
-    "a100": GPUKind("a100", 312e12, 80e9, 2.0e12, 240e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB),
+    "h200": GPUKind("h200", 989e12, 141e9, 4.8e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 6 * GiB, communicator_bytes=COMMUNICATOR_BYTES),
+    "h100": GPUKind("h100", 989e12, 80e9, 3.35e12, 360e9, 40e9, 5e-6, 1.5e-5, 0.72, 0.50, 256, 1.5e-3, 5 * GiB, communicator_bytes=COMMUNICATOR_BYTES),
+    "a800": GPUKind("a800", 312e12, 80e9, 2.0e12, 160e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB, communicator_bytes=COMMUNICATOR_BYTES),
+    "a100": GPUKind("a100", 312e12, 80e9, 2.0e12, 240e9, 20e9, 6e-6, 2e-5, 0.75, 0.60, 192, 1.5e-3, 5 * GiB, communicator_bytes=COMMUNICATOR_BYTES),
     # One gloo rank on a shared CPU core: fp32 GEMMs at tens of GFLOP/s, loopback TCP
     # collectives at ~1 GB/s with ~0.5 ms per step (Python and gloo overhead). A profile file replaces these.
     "cpu-gloo": GPUKind("cpu-gloo", 40e9, 4 * GiB, 10e9, 1.0e9, 1.0e9, 5e-4, 5e-4, 0.5, 0.3, 32, 5e-3, 0.5 * GiB, 8, 2e-4),
@@ -138,7 +148,7 @@ class ClusterSpec:
         _check_str(d["gpu"], "name", "gpu.")
         for key in required[1:] + optional:
             if key in d["gpu"]:
-                _check_number(d["gpu"], key, "gpu.", integer=key == "default_gpus_per_node",
+                _check_number(d["gpu"], key, "gpu.", integer=key in ("default_gpus_per_node", "reserved_communicators"),
                               zero_ok=key in _GPU_MAY_BE_ZERO)
         return cls(name=d["name"], num_gpus=d["num_gpus"], gpus_per_node=d["gpus_per_node"], gpu=GPUKind(**d["gpu"]))
 
@@ -306,7 +316,7 @@ class ModelSpec:
 
 # ---- validation of the JSON forms (from_json): one message a problem, naming the field
 _GPU_MAY_BE_ZERO = ("intra_node_latency", "inter_node_latency", "half_efficiency_tokens", "micro_batch_overhead_s",
-                    "reserved_bytes", "attention_doc_overhead_s")
+                    "reserved_bytes", "attention_doc_overhead_s", "communicator_bytes", "reserved_communicators")
 _MODEL_FLAGS = ("swiglu", "untie_embeddings_and_output_weights", "sequence_parallel", "hidden_dropout",
                 "gated_linear_unit")
 _MODEL_MAY_BE_ZERO = ("seq_length", "bucket_numel", "optimizer_bytes_per_param")

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from dcp_ext.planning.communicators import distinct_groups
 from dcp_ext.planning.layout import ReplicaType
 
 
@@ -24,9 +25,8 @@ class GroupRegistry:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
-        for rep in self.replica_types:
-            for rank_set in _rank_sets(rep):
-                self._group(rank_set)
+        for rank_set in distinct_groups(self.replica_types):
+            self._group(rank_set)
         self._collections: dict[ReplicaType, object] = {}
 
     @property
@@ -70,20 +70,3 @@ class GroupRegistry:
         self._collections[rep] = pgs
         return pgs
 
-
-def _rank_sets(rep: ReplicaType):
-    """Every rank set a replica's collections use, in a deterministic order."""
-    for p in range(rep.pp):
-        for c in range(rep.cp):
-            yield rep.tp_ranks(c, p)
-        for t in range(rep.tp):
-            yield rep.cp_ranks(t, p)
-        yield rep.tp_cp_ranks(p)
-    for c in range(rep.cp):
-        for t in range(rep.tp):
-            yield rep.pp_ranks(t, c)
-            yield tuple(sorted({rep.rank_at(t, c, 0), rep.rank_at(t, c, rep.pp - 1)}))
-            yield (rep.rank_at(t, c, 0),)
-        yield tuple(rep.rank_at(tt, c, pp) for pp in range(rep.pp) for tt in range(rep.tp))
-    for r in rep.ranks:
-        yield (r,)

@@ -180,6 +180,7 @@ def planner_options(args) -> dict:
     itself; dynamic-cp and dcp search their own (tp, pp) and size CP per sequence."""
     if args.dcp_planner == "adaptive":
         return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates,
+                "rechoose_pool": args.dcp_recalibration == "on",
                 **{k: "on" for k in ("layer_strategies", "uneven_stages") if getattr(args, f"dcp_{k}") == "on"}}
     if args.dcp_planner == "hydraulis":
         return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates}

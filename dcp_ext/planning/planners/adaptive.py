@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.layout import Layout, LayoutMix
+from dcp_ext.planning.layout import Layout, LayoutMix, ReplicaType
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
@@ -101,6 +101,7 @@ class AdaptivePlanner(PlannerBase):
         static_layout: tuple[int, int, int] | None = None,
         layer_strategies: bool | str = False,
         uneven_stages: bool | str = False,
+        rechoose_pool: bool = False,
     ):
         """static_layout (tp, cp, pp): the static baseline's layout (a Megatron line's
         parallel sizes), world // (tp*cp*pp) replicas of it, kept in the pool whatever the
@@ -111,7 +112,10 @@ class AdaptivePlanner(PlannerBase):
         uneven_stages (default off): pipelined layouts split their layers by the cost
         model's stage times (`planners.stage_split`), fixed per layout; "even" emits the
         even split explicitly (every stage priced on its own: the control for measuring
-        what the balancing itself buys). Both: True/"on", False/"off"."""
+        what the balancing itself buys). Both: True/"on", False/"off".
+        rechoose_pool (`--dcp-recalibration on`): the pool is chosen again from the
+        recalibrated prices (`_rechoose_pool`), among the reserve's layouts, whose replica
+        types on every aligned block of ranks are registered at start."""
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self.layer_strategies = _switch(layer_strategies, "layer_strategies", ("on", "off"))
         self.uneven_stages = _switch(uneven_stages, "uneven_stages", ("on", "off", "even"))
@@ -134,6 +138,12 @@ class AdaptivePlanner(PlannerBase):
                 if engine == "assign":
                     raise
         self.max_moves = max_moves
+        self.max_layouts = max_layouts
+        self.rechoose_pool = bool(rechoose_pool) and layouts is None
+        self.reserve: list[Layout] = []  # layouts a re-chosen pool may use (rechoose_pool)
+        self._pool_stale = False  # the next plan chooses the pool again first
+        self._current: LayoutMix | None = None
+        self._recalibrations = 0
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
         if not allowed:
             raise PlanningError(f"no layout of {model.name} fits {cluster.name}")
@@ -151,30 +161,21 @@ class AdaptivePlanner(PlannerBase):
                         raise ValueError(f"layout {describe(c)}: {l} is not valid for {model.name} on {cluster.name}")
             self.pool = Pool(fixed, sorted({l for c in fixed for l, _ in c}), np.zeros((len(fixed), 0)), fixed)
         else:
-            batches = sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed)
-            extras = extreme_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, seed)
+            self._pool_batches = (sample_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, sample_count, seed),
+                                  extreme_batches(self.length_sample, self.global_batch_tokens, self.max_seq_len, seed))
             cb = stderr_progress(f"{self.name}: candidate layouts") if progress else None
-            self.placements = {}
-            self.pool_tables = self.tables
-
-            def exact(prep: BatchPrep, counts: LayoutMix) -> float:
-                if counts not in self.placements:
-                    self.placements[counts] = place(expand(counts), cluster.num_gpus)
-                t, order, bounds = screen(prep, counts)
-                return max(r.time_s for r in self._full_plan(prep, counts, order, bounds))
-
-            self.pool = build_pool(self.cm, self.tables, batches, self.max_seq_len, max_layouts, cb,
-                                   extra_batches=extras, exact=exact)
+            self.pool = self._search_pool(self.tables, self.max_seq_len, cb)
         self.static_entry: LayoutMix | None = None
         if static_layout is not None:
             self._add_static_entry(Layout(*static_layout), max_layouts, layout_filter)
         if self.uneven_stages != "off":
             self._choose_stage_splits()
         self._charge_pool_buffers(recompute)
-        self.pool_tables = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
-        self.placements = {c: place(expand(c), cluster.num_gpus) for c in self.pool.layouts}
+        self._use_pool(self.pool)
         for c in self.pool.layouts:
             self._register(self.placements[c])
+        for lay in self.reserve:
+            self._register(self._aligned(lay))
         self._holdable = min(self.max_seq_len, max(t.max_doc for t in self.pool_tables.values()))
         self._current: LayoutMix | None = None
         self._last_index: int | None = None
@@ -254,15 +255,20 @@ class AdaptivePlanner(PlannerBase):
         every layout is charged that, and its tables are rebuilt. Charging a long-sequence
         layout (large tp·cp) for a short-sequence one's big stage can cost it the longest
         documents: then the entries using the largest stage leave the pool, until the pool
-        holds again what it held alone (or one entry is left)."""
+        holds again what it held alone (or one entry is left). The communicators of every
+        registered replica type are charged too, and with `rechoose_pool` the reserve's
+        layouts join at the same charge."""
         before = {l: self.tables[l] for c in self.pool.layouts for l, _ in c}
         need = min(self.max_seq_len, max(t.max_doc for t in before.values()))
         keep = list(range(len(self.pool.layouts)))
         while True:
             used = sorted({l for i in keep for l, _ in self.pool.layouts[i]})
-            self.cm.charge_shared_buffers(used, [pl for i in keep
-                                                 for pl in place(expand(self.pool.layouts[i]), self.cluster.num_gpus)])
-            tables = {l: make_type_table(self.cm, l, recompute) for l in used}
+            reserve = self._reserve_for(used)
+            placements = [pl for i in keep for pl in place(expand(self.pool.layouts[i]), self.cluster.num_gpus)]
+            placements += [pl for l in reserve for pl in self._aligned(l)]
+            self.cm.charge_shared_buffers(sorted(set(used) | set(reserve)), placements)
+            self.cm.charge_communicators(self._types_of(placements))
+            tables = {l: make_type_table(self.cm, l, recompute) for l in sorted(set(used) | set(reserve))}
             tables = {l: t for l, t in tables.items() if t.caps_alone and t.max_doc > 0}
             fits = [i for i in keep if all(l in tables for l, _ in self.pool.layouts[i])]
             holdable = max((tables[l].max_doc for i in fits for l, _ in self.pool.layouts[i]), default=0)
@@ -279,10 +285,94 @@ class AdaptivePlanner(PlannerBase):
             raise PlanningError(f"no layout of {self.model.name} fits {self.cluster.name} beside the shared "
                                 f"parameter buffers of its pool ({self.cm.buffer_params / 1e9:.2f}B parameters)")
         self.tables = tables
+        self.reserve = [l for l in reserve if l in tables]
         if len(fits) < len(self.pool.layouts):
             p = self.pool
             times = p.sample_times[fits] if len(p.sample_times) == len(p.layouts) else p.sample_times
             self.pool = Pool([p.layouts[i] for i in fits], p.types, times, p.considered)
+
+    # ------------------------------------------------------------------ the pool again, from measured prices
+    def _reserve_for(self, used: list[Layout]) -> list[Layout]:
+        """With `rechoose_pool`: the pool's layouts, then those of the mixes the search
+        considered (each batch's best, the one-type holders), at most `max_layouts`, none
+        with a larger stage than the pool's (the shared buffers do not grow). Every one is
+        registered on every aligned block of ranks, so any mix of them `place`s on
+        registered types."""
+        if not self.rechoose_pool:
+            return []
+        largest = max(self.model.local_stage_params(l.tp, l.pp) for l in used)
+        out = list(used)
+        for c in self.pool.considered:
+            for l, _ in c:
+                if len(out) >= max(self.max_layouts, len(used)):
+                    return out
+                if l in out or l not in self.tables or self.model.local_stage_params(l.tp, l.pp) > largest:
+                    continue
+                if l.pp > 1 and self.uneven_stages != "off" and l not in self.cm.stage_splits and not self.cm.quadratic(l):
+                    continue  # its split was not chosen with the pool's
+                out.append(l)
+        return out
+
+    def _aligned(self, lay: Layout):
+        """`lay` on every aligned block of ranks: world // size replicas of it, placed."""
+        return place([lay] * (self.cluster.num_gpus // lay.size), self.cluster.num_gpus)
+
+    def _types_of(self, placements) -> list[ReplicaType]:
+        out = []
+        for lay, ranks in placements:
+            split = self.cm.stage_splits.get(Layout(*lay)) if self.cm.stage_splits else None
+            out.append(ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None))
+        return out
+
+    def _search_pool(self, tables: dict, longest: int, progress=None) -> Pool:
+        """`build_pool` over `tables` for the sample batches, every batch's shortlist priced
+        by this planner's full plan."""
+        batches, extras = self._pool_batches
+        self.placements = {}
+        self.pool_tables = tables
+
+        def exact(prep: BatchPrep, counts: LayoutMix) -> float:
+            if counts not in self.placements:
+                self.placements[counts] = place(expand(counts), self.cluster.num_gpus)
+            t, order, bounds = screen(prep, counts)
+            return max(r.time_s for r in self._full_plan(prep, counts, order, bounds))
+
+        return build_pool(self.cm, tables, batches, longest, self.max_layouts, progress, extra_batches=extras, exact=exact)
+
+    def _use_pool(self, pool: Pool) -> None:
+        self.pool = pool
+        self.pool_tables = {l: self.tables[l] for c in pool.layouts for l, _ in c}
+        self.placements = {c: place(expand(c), self.cluster.num_gpus) for c in pool.layouts}
+        if self._current is not None and self._current not in pool.layouts:
+            self._current = None
+
+    def _rechoose(self) -> None:
+        """Choose the pool again with the cost model's current (recalibrated) prices and
+        memory, among the reserve's layouts; the static layout's entry stays first. Every
+        mix places on replica types registered at start (checked: a PlanningError if not)."""
+        tables = {l: t for l, t in self.tables.items() if l in self.reserve and t.caps_alone and t.max_doc > 0}
+        longest = min(self._holdable, max(t.max_doc for t in tables.values()))
+        pool = self._search_pool(tables, longest)
+        if self.static_entry is not None:
+            rest = [c for c in pool.layouts if c != self.static_entry][: max(0, self.max_layouts - 1)]
+            pool = Pool([self.static_entry] + rest, pool.types, np.zeros((len(rest) + 1, 0)), pool.considered)
+        registered = set(self._types)
+        for c in pool.layouts:
+            if any(t not in registered for t in self._types_of(place(expand(c), self.cluster.num_gpus))):
+                raise PlanningError(f"re-chosen pool entry {describe(c)} places on a replica type not registered at start")
+        self._use_pool(pool)
+
+    def recalibrate(self) -> bool:
+        """Prices changed: with `rechoose_pool`, the next plan first chooses the pool again,
+        after the 2nd, 8th, 32nd... recalibration and whenever more memory was charged."""
+        reserve = self.cm.calibration.memory_reserve if self.cm.calibration is not None else 0.0
+        changed = super().recalibrate()
+        if changed and self.rechoose_pool:
+            self._recalibrations += 1
+            n = self._recalibrations
+            if (n >= 2 and n & (n - 1) == 0 and n.bit_length() % 2 == 0) or self.cm.calibration.memory_reserve > reserve:
+                self._pool_stale = True
+        return changed
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
@@ -297,19 +387,38 @@ class AdaptivePlanner(PlannerBase):
         self.pool_tables = {l: self.tables[l] for l in self.pool_tables}
 
     def _holds_longest(self) -> bool:
-        """Every layout of the pool still holds a document alone, and the pool the longest it held at start."""
+        """Every layout of the pool still holds a document alone, and the pool the longest it
+        held at start; with `rechoose_pool`, some layout of the reserve holds that longest
+        (the pool is chosen again among them before the next plan)."""
+        if self.rechoose_pool:
+            return any(t.caps_alone and t.max_doc >= self._holdable for t in self.tables.values())
         tables = self.pool_tables.values()
         return all(t.caps_alone and t.max_doc > 0 for t in tables) and max(t.max_doc for t in tables) >= self._holdable
 
     def state_dict(self) -> dict:
         """The layout the switching rule stays with, as its place in the pool (and the pool,
-        which a run on another cluster does not share)."""
+        which a run on another cluster does not share); with `rechoose_pool` the pool is
+        taken back as saved (it may have been chosen again), with the re-choice schedule."""
         current = None if self._current is None else self.pool.layouts.index(self._current)
-        return {"current": current, "last_index": self._last_index,
-                "pool": [describe(c) for c in self.pool.layouts]}
+        out = {"current": current, "last_index": self._last_index, "pool": [describe(c) for c in self.pool.layouts]}
+        if self.rechoose_pool:
+            out.update(recalibrations=self._recalibrations, pool_stale=self._pool_stale)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("pool") != [describe(c) for c in self.pool.layouts]:
+        saved = state.get("pool")
+        if self.rechoose_pool and "recalibrations" in state and saved:
+            registered = set(self._types)
+            try:
+                mixes = [parse_layout(c) for c in saved]
+                ok = all(t in registered for c in mixes for t in self._types_of(place(expand(c), self.cluster.num_gpus)))
+            except ValueError:  # not a mix of this world
+                mixes, ok = [], False
+            if mixes and ok:
+                self._use_pool(Pool(mixes, self.pool.types, np.zeros((len(mixes), 0)), self.pool.considered))
+                self._recalibrations = int(state["recalibrations"])
+                self._pool_stale = bool(state.get("pool_stale"))
+        if saved != [describe(c) for c in self.pool.layouts]:
             self.reset()  # another pool (world size, model, data): nothing to stay with
             return
         current = state.get("current")
@@ -319,6 +428,9 @@ class AdaptivePlanner(PlannerBase):
     # ------------------------------------------------------------------ per iteration
     def plan_iteration(self, index: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
         s = self._check_input(sample_ids, lengths)
+        if self._pool_stale:
+            self._pool_stale = False
+            self._rechoose()
         if self._last_index is not None and index != self._last_index + 1:
             self._current = None  # not the next iteration: no layout to stay with
         self._last_index = index
