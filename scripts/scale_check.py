@@ -257,7 +257,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     import numpy as np
     import torch.distributed as dist
 
-    from dcp_ext.planning.communicators import communicators_per_rank
+    from dcp_ext.planning.layout import communicators_per_rank
     from dcp_ext.planning.cost_model import Layout
     from megatron.training.arguments import parse_args
 

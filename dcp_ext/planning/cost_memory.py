@@ -59,7 +59,7 @@ class MemoryAccounting:
     def charge_communicators(self, types) -> None:
         """Charge every layout the communicators (groups of two or more ranks) of the rank
         that belongs to the most of them, over the replica types `types` the runtime creates."""
-        from dcp_ext.planning.communicators import communicators_per_rank
+        from dcp_ext.planning.layout import communicators_per_rank
 
         self.communicators = max(communicators_per_rank(types, self.cluster.num_gpus), default=0)
 

@@ -4,13 +4,14 @@ Why it exists: a layout (tp, cp, pp), a replica type (a layout on a fixed set of
 and a candidate mix (how many replicas of each layout fill the world) are spelled once
 here, frozen, so a plan, a process group and a cost-model entry name the same thing the
 same way and no converter sits between them. The fixed sharding's bucket size is here
-too: the cost model charges the buckets the runtime's sharding cuts. Ranks inside a replica are in Megatron's
+too: the cost model charges the buckets the runtime's sharding cuts, and the process groups a set
+of replica types needs, counted per rank. Ranks inside a replica are in Megatron's
 order: tp fastest, then cp, then pp.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 
 class Layout(NamedTuple):
@@ -99,3 +100,46 @@ class ReplicaType:
         parts = [f"{name}{size}" for name, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if size > 1]
         label = "·".join(parts) or "tp1"
         return label + ("[" + "-".join(map(str, self.stage_layers)) + "]" if self.stage_layers else "")
+
+
+# ---------------------------------------------------------------- process groups
+# The runtime creates every group its replica types use once, at start (dcp_ext.runtime.groups);
+# on NCCL each group of two or more ranks is a communicator with its own device buffers, which
+# the planner charges (CostModel.charge_communicators) and scripts/scale_check.py counts.
+def rank_sets(rep: ReplicaType) -> Iterator[tuple[int, ...]]:
+    """Every rank set a replica's megatron-core groups use (tp, cp, tp-cp, pp, embedding,
+    position embedding, model parallel, one-rank), in a deterministic order."""
+    for p in range(rep.pp):
+        for c in range(rep.cp):
+            yield rep.tp_ranks(c, p)
+        for t in range(rep.tp):
+            yield rep.cp_ranks(t, p)
+        yield rep.tp_cp_ranks(p)
+    for c in range(rep.cp):
+        for t in range(rep.tp):
+            yield rep.pp_ranks(t, c)
+            yield tuple(sorted({rep.rank_at(t, c, 0), rep.rank_at(t, c, rep.pp - 1)}))
+            yield (rep.rank_at(t, c, 0),)
+        yield tuple(rep.rank_at(tt, c, pp) for pp in range(rep.pp) for tt in range(rep.tp))
+    for r in rep.ranks:
+        yield (r,)
+
+
+def distinct_groups(types: Iterable[ReplicaType]) -> list[tuple[int, ...]]:
+    """The distinct rank sets of `types`, in creation order (sorted types, then `rank_sets`)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for rep in sorted(set(types), key=ReplicaType.sort_key):
+        for ranks in rank_sets(rep):
+            seen.setdefault(tuple(sorted(ranks)), None)
+    return list(seen)
+
+
+def communicators_per_rank(types: Iterable[ReplicaType], world: int) -> list[int]:
+    """For each rank, the groups of two or more ranks it belongs to: its communicators
+    (a one-rank group moves no data and holds no transport buffers)."""
+    counts = [0] * world
+    for ranks in distinct_groups(types):
+        if len(ranks) > 1:
+            for r in ranks:
+                counts[r] += 1
+    return counts

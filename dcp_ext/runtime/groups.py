@@ -13,8 +13,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from dcp_ext.planning.communicators import distinct_groups
-from dcp_ext.planning.layout import ReplicaType
+from dcp_ext.planning.layout import ReplicaType, distinct_groups
 
 
 class GroupRegistry:

@@ -185,7 +185,7 @@ def planner_options(args) -> dict:
     if args.dcp_planner == "hydraulis":
         return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates}
     if args.dcp_planner == "static":
-        return {"layout": static_layout_of(args)}
+        return {"layout": static_layout_of(args), "balance": True}
     return {}
 
 
