@@ -89,6 +89,15 @@ class PeakMemory:
         window, self._window = self._window, _status_kib("RssAnon") * 1024
         return max(0, window - self.baseline)
 
+    def current_bytes(self) -> int | None:
+        """Bytes held now above the start point (GPU: allocated tensors); None where only
+        peaks can be read (the VmHWM fallback)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        if not self.sampled:
+            return None
+        return max(0, _status_kib("RssAnon") * 1024 - self.baseline)
+
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return max(self._earlier, int(torch.cuda.max_memory_allocated(self.device)))

@@ -22,6 +22,24 @@ class OnlineCalibration:
         self.calibration = Calibration()
         planner.calibrate_online(self.calibration)
 
+    def charge_at_rest(self, engine) -> float:
+        """Before training (collective): the memory the built runtime holds beyond its
+        persistent bytes (model objects, communication buffers, the allocator's own),
+        measured now, the most over ranks, is charged as the first measured excess, so the
+        first plans keep the budget too (the step's own excess is measured from the first
+        step on). Returns the bytes."""
+        import torch
+        import torch.distributed as dist
+
+        held = self.peak_memory.current_bytes() if self.peak_memory is not None else None
+        excess = 0.0 if held is None else max(0.0, held - float(sum(engine.persistent_bytes().values())))
+        # the most over ranks: every rank's planner must charge the same, or their plans differ
+        t = torch.tensor([excess], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        excess = float(t.item())
+        self.planner.charge_measured_memory(excess)
+        return excess
+
     def between_plans(self) -> bool:
         """Apply what was measured since the last call; True when the prices changed. Called
         just before a step: the memory window starts here (loading, saving and evaluating

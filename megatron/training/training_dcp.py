@@ -25,6 +25,7 @@ from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
 from megatron.training.loop_features import LoopFeatures
 from megatron.training.online_calibration import OnlineCalibration
+from dcp_ext.planning.planners.common import describe as describe_mix
 
 
 def cluster_for(world_size: int, args=None):
@@ -331,6 +332,9 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
                  + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
     scheduler = build_scheduler(args, engine.optimizer)
     recalibration = OnlineCalibration(planner, engine.device, peak_memory) if args.dcp_recalibration == "on" else None
+    if recalibration is not None:
+        at_rest = recalibration.charge_at_rest(engine)
+        print_rank_0(f"> memory beyond the model at rest (the most over ranks, charged from the first plan): {at_rest / 2**20:.0f} MiB")
     iteration, consumed = 0, 0
     if args.load:
         iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
@@ -372,6 +376,19 @@ class AdaptiveSteps:
         self.previous = None  # the last iteration's plan and lengths, for the layout-change line
         self.batch = self.it = self.result = None
         self.plan_s = 0.0
+        self.pool_said = None  # the candidate pool last said (`_say_a_new_pool`)
+
+    def _say_a_new_pool(self, iteration: int) -> None:
+        """One line when the planner chose its candidate pool again (from measured prices; the
+        planner is idle here)."""
+        pool = getattr(self.planner, "pool", None)
+        if pool is None:
+            return
+        now = [describe_mix(c) for c in pool.layouts]
+        if self.pool_said is not None and now != self.pool_said:
+            print_rank_0(f"iteration {iteration + 1}: candidate pool chosen again from the measured prices: "
+                         + "; ".join(now))
+        self.pool_said = now
 
     def _plan(self, index, batch):
         t0 = time.perf_counter()
@@ -388,6 +405,7 @@ class AdaptiveSteps:
             self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
         if list(self.it.sample_ids) != list(batch.sample_ids):
             raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
+        self._say_a_new_pool(iteration)
         if self.recalibration is not None:
             self.recalibration.between_plans()  # the planner is idle: the next plan sees the new prices
         self.planner_state = self.planner.planning_state()

@@ -324,9 +324,9 @@ class AdaptivePlanner(PlannerBase):
             out.append(ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None))
         return out
 
-    def _search_pool(self, tables: dict, longest: int, progress=None) -> Pool:
+    def _search_pool(self, tables: dict, longest: int, progress=None, refine: bool = True) -> Pool:
         """`build_pool` over `tables` for the sample batches, every batch's shortlist priced
-        by this planner's full plan."""
+        by this planner's full plan (`refine`: see build_pool)."""
         batches, extras = self._pool_batches
         self.placements = {}
         self.pool_tables = tables
@@ -337,7 +337,8 @@ class AdaptivePlanner(PlannerBase):
             t, order, bounds = screen(prep, counts)
             return max(r.time_s for r in self._full_plan(prep, counts, order, bounds))
 
-        return build_pool(self.cm, tables, batches, longest, self.max_layouts, progress, extra_batches=extras, exact=exact)
+        return build_pool(self.cm, tables, batches, longest, self.max_layouts, progress, extra_batches=extras, exact=exact,
+                          refine=refine)
 
     def _use_pool(self, pool: Pool) -> None:
         self.pool = pool
@@ -352,7 +353,7 @@ class AdaptivePlanner(PlannerBase):
         mix places on replica types registered at start (checked: a PlanningError if not)."""
         tables = {l: t for l, t in self.tables.items() if l in self.reserve and t.caps_alone and t.max_doc > 0}
         longest = min(self._holdable, max(t.max_doc for t in tables.values()))
-        pool = self._search_pool(tables, longest)
+        pool = self._search_pool(tables, longest, refine=False)  # on the planning thread, beside the step
         if self.static_entry is not None:
             rest = [c for c in pool.layouts if c != self.static_entry][: max(0, self.max_layouts - 1)]
             pool = Pool([self.static_entry] + rest, pool.types, np.zeros((len(rest) + 1, 0)), pool.considered)
@@ -363,16 +364,21 @@ class AdaptivePlanner(PlannerBase):
         self._use_pool(pool)
 
     def recalibrate(self) -> bool:
-        """Prices changed: with `rechoose_pool`, the next plan first chooses the pool again,
-        after the 2nd, 8th, 32nd... recalibration and whenever more memory was charged."""
-        reserve = self.cm.calibration.memory_reserve if self.cm.calibration is not None else 0.0
+        """Prices changed: with `rechoose_pool`, the next plan first chooses the pool again
+        after the 2nd, 8th, 32nd... recalibration (and when charged memory costs the pool
+        its longest documents)."""
         changed = super().recalibrate()
         if changed and self.rechoose_pool:
             self._recalibrations += 1
             n = self._recalibrations
-            if (n >= 2 and n & (n - 1) == 0 and n.bit_length() % 2 == 0) or self.cm.calibration.memory_reserve > reserve:
+            if n >= 2 and n & (n - 1) == 0 and n.bit_length() % 2 == 0:
                 self._pool_stale = True
         return changed
+
+    def _charge_memory(self, cal) -> None:
+        super()._charge_memory(cal)
+        if self.rechoose_pool and not self._pool_holds():
+            self._pool_stale = True  # the pool lost the longest documents: the reserve has them
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
@@ -392,6 +398,9 @@ class AdaptivePlanner(PlannerBase):
         (the pool is chosen again among them before the next plan)."""
         if self.rechoose_pool:
             return any(t.caps_alone and t.max_doc >= self._holdable for t in self.tables.values())
+        return self._pool_holds()
+
+    def _pool_holds(self) -> bool:
         tables = self.pool_tables.values()
         return all(t.caps_alone and t.max_doc > 0 for t in tables) and max(t.max_doc for t in tables) >= self._holdable
 

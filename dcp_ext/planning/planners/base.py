@@ -104,6 +104,15 @@ class PlannerBase:
             self._prices_changed()
         return True
 
+    def charge_measured_memory(self, excess: float) -> None:
+        """Charge `excess` bytes measured beyond the cost model outside a step (the runtime
+        at rest, before training) as `recalibrate` charges a step's."""
+        cal = self.cm.calibration
+        if cal is None or excess <= cal.memory_excess:
+            return
+        cal.memory_excess = float(excess)
+        self._charge_memory(cal)
+
     def _charge_memory(self, cal) -> None:
         """Reserve the memory measured beyond the cost model: all of it, or the most (by
         bisection) that still leaves every document the planner could place at start a place;

@@ -210,6 +210,7 @@ def build_pool(
     extra_weight: float = 0.25,
     exact: Callable[[BatchPrep, LayoutMix], float] | None = None,
     shortlist: int = 3,
+    refine: bool = True,
 ) -> Pool:
     """Pick <= max_layouts layouts for the run (see the module docstring).
 
@@ -219,7 +220,9 @@ def build_pool(
     hold a max-length sequence) are candidates too. With `exact` (the planner's full
     plan, priced), the cover uses exact times of each batch's `shortlist` best layouts by
     the estimate: the estimate is fractional and flatters layouts whose few documents
-    cannot be balanced over their replicas."""
+    cannot be balanced over their replicas. `refine=False` takes each batch's weaker lower
+    bound (`lower_bound`'s, without its longest-document refinement): half the time, for
+    a pool chosen again while training."""
     from dcp_ext.planning.simulator import lower_bound
 
     world = cm.cluster.num_gpus
@@ -236,7 +239,7 @@ def build_pool(
     preps = []
     for b in batches:
         preps.append(BatchPrep(cm, tables, b))
-        lbs.append(lower_bound(cm, b, layouts=list(tables)))
+        lbs.append(lower_bound(cm, b, layouts=list(tables), refine=refine))
     t_ref = float(np.median(lbs)) if lbs else 1.0
     types = prune_types(cm, tables, np.append(all_lens, max_seq_len), t_ref) if prune else list(tables)
     # the max-length holder that finishes it fastest must be available
@@ -248,9 +251,9 @@ def build_pool(
     extras = [np.asarray(b) for b in extra_batches if len(b)]
     for b in extras:
         preps.append(BatchPrep(cm, tables, b))
-        lbs.append(lower_bound(cm, b, layouts=list(tables)))
+        lbs.append(lower_bound(cm, b, layouts=list(tables), refine=refine))
     weights = np.array([1.0] * (len(preps) - len(extras)) + [extra_weight] * len(extras))
-    jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables)))]
+    jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables), refine=refine))]
     for k, (prep, lb) in enumerate(jobs):
         counts, _ = best_mix_by_dynamic_program(prep, types, world, lb)
         # again with the sync of as many replicas as that layout has (each device also
