@@ -85,3 +85,23 @@ def test_off_pins_the_prices(text_corpus, tmp_path):
         assert "recalibrated online" not in r.stdout
         runs.append(read_plan_log(plans))
     assert runs[0] == runs[1]  # predicted times included: nothing measured moves them
+
+
+def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path):
+    """The demo on 4 ranks with recalibration on: the pool is chosen again from the measured
+    prices (after the 2nd recalibration), and every process group was created before the
+    first iteration on every rank (tests/group_count_entry.py counts from outside); the
+    re-chosen pool's plans run on groups that exist (an unregistered type has none)."""
+    from tests.conftest import demo_flags
+    from tests.helpers import REPO, read_loss_log
+
+    log, plans, groups = str(tmp_path / "loss.jsonl"), str(tmp_path / "plans.jsonl"), str(tmp_path / "groups")
+    r = run_ranks(4, demo_flags(demo_cache, "adaptive", 5, log, plans) + ["--dcp-recalibration", "on"],
+                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "group_count_entry.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "candidate pool chosen again from the measured prices" in r.stdout, r.stdout[-3000:]
+    assert "memory beyond the model at rest" in r.stdout
+    assert sorted(read_plan_log(plans)) == [0, 1, 2, 3, 4]
+    created = {rank: read_loss_log(f"{groups}.{rank}") for rank in range(4)}
+    assert all(created.values()) and len({len(c) for c in created.values()}) == 1
+    assert not any(c["iterations_done"] > 0 for cs in created.values() for c in cs)

@@ -376,19 +376,19 @@ class AdaptiveSteps:
         self.previous = None  # the last iteration's plan and lengths, for the layout-change line
         self.batch = self.it = self.result = None
         self.plan_s = 0.0
-        self.pool_said = None  # the candidate pool last said (`_say_a_new_pool`)
+        self.pool_said = None  # (pool_choices, pool) as last said (`_say_a_new_pool`)
 
     def _say_a_new_pool(self, iteration: int) -> None:
-        """One line when the planner chose its candidate pool again (from measured prices; the
-        planner is idle here)."""
-        pool = getattr(self.planner, "pool", None)
-        if pool is None:
+        """One line each time the planner chose its candidate pool again (from measured
+        prices; the planner is idle here)."""
+        choices = getattr(self.planner, "pool_choices", None)
+        if choices is None:
             return
-        now = [describe_mix(c) for c in pool.layouts]
-        if self.pool_said is not None and now != self.pool_said:
-            print_rank_0(f"iteration {iteration + 1}: candidate pool chosen again from the measured prices: "
-                         + "; ".join(now))
-        self.pool_said = now
+        now = [describe_mix(c) for c in self.planner.pool.layouts]
+        if self.pool_said is not None and choices != self.pool_said[0]:
+            what = "the same pool" if now == self.pool_said[1] else "; ".join(now)
+            print_rank_0(f"iteration {iteration + 1}: candidate pool chosen again from the measured prices: {what}")
+        self.pool_said = (choices, now)
 
     def _plan(self, index, batch):
         t0 = time.perf_counter()

@@ -144,6 +144,7 @@ class AdaptivePlanner(PlannerBase):
         self._pool_stale = False  # the next plan chooses the pool again first
         self._current: LayoutMix | None = None
         self._recalibrations = 0
+        self.pool_choices = 1  # times the pool was chosen (at start, then by `_rechoose`)
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
         if not allowed:
             raise PlanningError(f"no layout of {model.name} fits {cluster.name}")
@@ -362,6 +363,7 @@ class AdaptivePlanner(PlannerBase):
             if any(t not in registered for t in self._types_of(place(expand(c), self.cluster.num_gpus))):
                 raise PlanningError(f"re-chosen pool entry {describe(c)} places on a replica type not registered at start")
         self._use_pool(pool)
+        self.pool_choices += 1
 
     def recalibrate(self) -> bool:
         """Prices changed: with `rechoose_pool`, the next plan first chooses the pool again
