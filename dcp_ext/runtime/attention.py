@@ -89,10 +89,7 @@ def document_causal_attention(
             q_pos = held[cp_rank * local : (cp_rank + 1) * local]
             k_pos = torch.arange(padded, device=q.device)
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # True = may attend
-        if group_size > 1:
-            k = k.repeat_interleave(group_size, dim=1)
-            v = v.repeat_interleave(group_size, dim=1)
-        # SDPA wants [heads, seq, dim]
+        # SDPA wants [heads, seq, dim]; it shares each key/value head over its query group itself
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -101,6 +98,7 @@ def document_causal_attention(
             dropout_p=dropout_p,
             is_causal=mask is None,
             scale=softmax_scale,
+            enable_gqa=group_size > 1,
         )
         outputs.append(out.transpose(0, 1))
         offset += local
