@@ -27,6 +27,7 @@ OK when engine bytes + peak activations fit the capacity, OVER otherwise.
     .venv/bin/python scripts/scale_check.py --model llama2-70b --rank 5
     .venv/bin/python scripts/scale_check.py --small               # 2 layers, hidden 256, 8 ranks (tests)
     .venv/bin/python scripts/scale_check.py --json out.json
+    .venv/bin/python scripts/scale_check.py --communicators       # the communicator bound, h200x64 and h200x1024
 
 Progress goes to stderr, the table to stdout. Exit status 0 when every engine/cost-model
 difference is within --tolerance and every verdict is OK, 1 otherwise.
@@ -352,6 +353,47 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     }
 
 
+# ----------------------------------------------------------------------------- communicators at any scale
+def communicator_bound(name: str, cluster_name: str, reserve: int = 16) -> dict:
+    """Communicators per rank (process groups of 2+ ranks) the adaptive planner's registered
+    types can make on `cluster_name`, without planning: with every layout of `name` valid
+    there registered on every aligned block (what no pool exceeds), and the most any reserve
+    of `reserve` layouts (--dcp-candidates) can make (the sum of the `reserve` largest
+    per-layout counts: a union of groups is no larger than the sum).
+    Each figure is the busiest rank's, with what it would be charged."""
+    from dcp_ext.planning.cost_model import CostModel
+    from dcp_ext.planning.layout import ReplicaType, communicators_per_rank
+    from dcp_ext.planning.specs import MODEL_PRESETS, ClusterSpec
+
+    cluster = ClusterSpec.from_preset(cluster_name)
+    cm = CostModel(MODEL_PRESETS[name], cluster)
+    layouts = cm.all_layouts()
+    n = cluster.num_gpus
+
+    def aligned(l):
+        return [ReplicaType(l.tp, l.cp, l.pp, tuple(range(s, s + l.size))) for s in range(0, n, l.size)]
+
+    def charged(count):
+        cm.communicators = count
+        return cm.communicator_bytes
+
+    every = max(communicators_per_rank([t for l in layouts for t in aligned(l)], n))
+    per_layout = sorted((max(communicators_per_rank(aligned(l), n)) for l in layouts), reverse=True)
+    bounded = min(every, sum(per_layout[:reserve]))
+    return {"model": name, "cluster": cluster_name, "layouts": len(layouts), "every_layout": every,
+            "every_layout_bytes": charged(every), "reserve": reserve, "reserve_bound": bounded,
+            "reserve_bound_bytes": charged(bounded)}
+
+
+def format_bounds(bounds: list[dict]) -> str:
+    out = ["communicators per rank (the busiest rank; charged beyond the 8 of the GPU kind's reserve, 0.25 GiB each):"]
+    for b in bounds:
+        out.append(f"  {b['model']} on {b['cluster']}: every one of its {b['layouts']} layouts registered: "
+                   f"{b['every_layout']} ({b['every_layout_bytes'] / GB:.2f} GB); a reserve of {b['reserve']} layouts: "
+                   f"at most {b['reserve_bound']} ({b['reserve_bound_bytes'] / GB:.2f} GB)")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------- output
 def format_table(results: list[dict]) -> str:
     cols = ["model", "rank", "replica types on it"] + [f"{k} GB" for k in KINDS] + \
@@ -417,7 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default=os.path.join(DATA_DIR, LENGTHS_FILE))
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--communicators", nargs="*", default=None, metavar="CLUSTER",
+                   help="only the communicator bound per rank on these clusters (default h200x64 h200x1024), in seconds")
     a = p.parse_args(argv)
+    if a.communicators is not None:
+        models = ["llama2-7b", "llama2-13b", "llama2-70b"] if a.model == "all" else [a.model]
+        bounds = [communicator_bound(m, c) for c in (a.communicators or ["h200x64", "h200x1024"]) for m in models]
+        print(format_bounds(bounds))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(bounds, f, indent=1)
+        return 0
     if a.small:
         models = ["small"]
         cluster = a.cluster or f"h200x{SMALL_WORLD}"

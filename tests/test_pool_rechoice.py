@@ -154,3 +154,36 @@ def test_memory_charged_beyond_the_start_pool_moves_the_longest_documents_to_the
     it = on.plan(0, ids, lens)
     assert used_types(it) <= registered(on)
     assert on._holds_longest()
+
+
+def test_communicators_are_counted_once_per_distinct_group_of_two_or_more_ranks():
+    from dcp_ext.planning.layout import ReplicaType, communicators_per_rank, distinct_groups
+
+    def aligned(tp, cp, pp):
+        size = tp * cp * pp
+        return [ReplicaType(tp, cp, pp, tuple(range(s, s + size))) for s in range(0, 4, size)]
+
+    # tp2's groups, pp2's pipeline and embedding groups and cp2's are the same pairs {0,1}, {2,3}
+    types = aligned(1, 1, 1) + aligned(2, 1, 1) + aligned(1, 1, 2) + aligned(1, 2, 1)
+    assert communicators_per_rank(types, 4) == [1, 1, 1, 1]
+    assert communicators_per_rank(types + aligned(4, 1, 1), 4) == [2, 2, 2, 2]
+    # tp2·cp2: tp pairs {0,1},{2,3}, cp pairs {0,2},{1,3}, and all four
+    assert communicators_per_rank(aligned(2, 2, 1), 4) == [3, 3, 3, 3]
+    groups = distinct_groups(types)
+    assert len(groups) == len(set(groups)) and (0,) in groups  # one-rank groups exist, hold no communicator
+
+
+def test_the_cost_model_charges_communicators_beyond_the_gpu_kinds_reserve():
+    from dcp_ext.planning.cost_model import CostModel
+    from dcp_ext.planning.specs import GiB
+
+    gpu = CostModel(ModelSpec.from_preset("llama2-7b"), ClusterSpec.from_preset("h200x64"))
+    lay = Layout(2, 1, 1)
+    base = gpu.state_bytes(lay)
+    gpu.communicators = 8  # what a static Megatron job has: in reserved_bytes already
+    assert gpu.state_bytes(lay) == base
+    gpu.communicators = 11
+    assert gpu.state_bytes(lay) == pytest.approx(base + 3 * 0.25 * GiB)
+    cpu = CostModel(MODEL, CLUSTER)
+    cpu.communicators = 40  # gloo groups hold no device memory
+    assert cpu.communicator_bytes == 0.0

@@ -53,7 +53,11 @@ def _consistent(r):
         assert r["engine_bytes"][kind] == pytest.approx(r["cost_model_bytes"][kind], rel=0.05), kind
     # verdict: engine state + the planned activation peak against the planning capacity
     assert r["activation_bytes"] > 0 and r["capacity_bytes"] > 0
-    assert r["need_bytes"] == pytest.approx(r["engine_total_bytes"] + r["activation_bytes"])
+    c = r["communicators"]
+    assert r["need_bytes"] == pytest.approx(r["engine_total_bytes"] + c["charged_bytes"] + r["activation_bytes"])
+    # the planner's count of this rank's communicators is the groups the engine created for it
+    assert c["rank"] == c["engine_rank"] > 0 and c["rank"] <= c["most"] == c["charged"]
+    assert c["charged_bytes"] == max(0, c["charged"] - c["reserved"]) * c["bytes_each"]
     assert r["verdict"] == ("OK" if r["need_bytes"] <= r["capacity_bytes"] else "OVER")
     assert r["planned"] and all(p["activation_bytes"] <= r["activation_bytes"] for p in r["planned"])
 
@@ -61,6 +65,9 @@ def _consistent(r):
 def test_planner_pool_worst_rank(run):
     proc, r, _ = run
     _consistent(r)
+    # the default run registers the reserve a re-chosen pool may use: more layouts than the pool's
+    pool_layouts = {part.split("x", 1)[1] for entry in r["pool"].split(": ", 2)[-1].split("; ") for part in entry.split("+")}
+    assert len(r["layouts"]) > len(pool_layouts)
     assert r["verdict"] == "OK"
     # the default rank plays the pool's largest stage: its buffer is the cost model's
     assert r["engine_params"]["buffer"] == pytest.approx(r["cost_model_params"]["buffer"])
