@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.planning.layout import Layout, LayoutMix, ReplicaType
+from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
@@ -114,7 +114,7 @@ class AdaptivePlanner(PlannerBase):
         even split explicitly (every stage priced on its own: the control for measuring
         what the balancing itself buys). Both: True/"on", False/"off".
         rechoose_pool (`--dcp-recalibration on`): the pool is chosen again from the
-        recalibrated prices (`_rechoose_pool`), among the reserve's layouts, whose replica
+        recalibrated prices (`_rechoose`), among the reserve's layouts, whose replica
         types on every aligned block of ranks are registered at start."""
         super().__init__(model, cluster, max_seq_len, global_batch_tokens, length_sample, profile, memory_margin, seed, progress)
         self.layer_strategies = _switch(layer_strategies, "layer_strategies", ("on", "off"))
@@ -178,7 +178,6 @@ class AdaptivePlanner(PlannerBase):
         for lay in self.reserve:
             self._register(self._aligned(lay))
         self._holdable = min(self.max_seq_len, max(t.max_doc for t in self.pool_tables.values()))
-        self._current: LayoutMix | None = None
         self._last_index: int | None = None
 
     def _choose_stage_splits(self) -> None:
@@ -317,13 +316,6 @@ class AdaptivePlanner(PlannerBase):
     def _aligned(self, lay: Layout):
         """`lay` on every aligned block of ranks: world // size replicas of it, placed."""
         return place([lay] * (self.cluster.num_gpus // lay.size), self.cluster.num_gpus)
-
-    def _types_of(self, placements) -> list[ReplicaType]:
-        out = []
-        for lay, ranks in placements:
-            split = self.cm.stage_splits.get(Layout(*lay)) if self.cm.stage_splits else None
-            out.append(ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None))
-        return out
 
     def _search_pool(self, tables: dict, longest: int, progress=None, refine: bool = True) -> Pool:
         """`build_pool` over `tables` for the sample batches, every batch's shortlist priced

@@ -152,11 +152,17 @@ class PlannerBase:
             self._prices_changed()
 
     # -------------------------------------------------------------- helpers
-    def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
-        seen = set(self._types)
+    def _types_of(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> list[ReplicaType]:
+        """The replica types of placed layouts (with their registered stage splits)."""
+        out = []
         for lay, ranks in placements:
             split = self.cm.stage_splits.get(Layout(*lay)) if self.cm.stage_splits else None
-            key = ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None)
+            out.append(ReplicaType(lay.tp, lay.cp, lay.pp, tuple(int(r) for r in ranks), tuple(split) if split else None))
+        return out
+
+    def _register(self, placements: Sequence[tuple[Layout, Sequence[int]]]) -> None:
+        seen = set(self._types)
+        for key in self._types_of(placements):
             if key not in seen:
                 seen.add(key)
                 self._types.append(key)

@@ -163,16 +163,18 @@ class StaticPlanner(PlannerBase):
     def _imbalance(self, s: np.ndarray, per: list[list[list[int]]]) -> float:
         """The slowest replica's predicted time for this deal."""
         co = self.cm.coeffs(self.layout, self.rs)
-        worst = 0.0
-        for mbs in per:
-            fwd, bwd = [], []
-            for p in mbs:
-                v = s[p].astype(float)
-                f, b = co.mb_fwd_bwd(float(v @ v), float(v.sum()), len(p))
-                fwd.append(f)
-                bwd.append(b)
-            worst = max(worst, one_f_one_b(fwd, bwd, self.layout.pp).makespan if mbs else 0.0)
-        return worst
+        return max((self._pipeline(co, self.layout, s, mbs) for mbs in per if mbs), default=0.0)
+
+    @staticmethod
+    def _pipeline(co, lay: Layout, s: np.ndarray, mbs: list[list[int]]) -> float:
+        """1F1B makespan of one replica's packs."""
+        fwd, bwd = [], []
+        for p in mbs:
+            v = s[p].astype(float)
+            f, b = co.mb_fwd_bwd(float(v @ v), float(v.sum()), len(p))
+            fwd.append(f)
+            bwd.append(b)
+        return one_f_one_b(fwd, bwd, lay.pp).makespan
 
     def _deal(self, packs: list[list[int]], d: int) -> list[list[list[int]]]:
         per: list[list[list[int]]] = [[] for _ in range(d)]
@@ -187,13 +189,7 @@ class StaticPlanner(PlannerBase):
         reps = []
         worst = 0.0
         for mbs in self._deal(packs, d):
-            fwd, bwd = [], []
-            for p in mbs:
-                v = s[p].astype(float)
-                f, b = co.mb_fwd_bwd(float(v @ v), float(v.sum()), len(p))
-                fwd.append(f)
-                bwd.append(b)
-            pipe = one_f_one_b(fwd, bwd, lay.pp).makespan
+            pipe = self._pipeline(co, lay, s, mbs)
             worst = max(worst, pipe + sync)
             reps.append((mbs, pipe, sync))
         return worst, reps
