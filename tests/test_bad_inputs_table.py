@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -778,8 +779,14 @@ def test_rank_killed_mid_run_exits_and_loses_nothing(killed_run, paths):
 
 
 def test_rank_killed_mid_run_reports_one_line(killed_run):
+    """The survivor says why in one line: lost contact (a collective failed), or, when torchrun
+    stopped it first (it was busy with its own work, e.g. choosing its next plan), the
+    SIGTERM line, which comes after torchrun's report has begun."""
     _, _, stderr, _ = killed_run
     lines = _worker_lines(stderr)
+    report = next((i for i, x in enumerate(stderr.splitlines()) if re.match(r"^[WEI]\d{4} \d\d:\d\d:\d\d", x)), None)
+    if report is not None:
+        lines += [x for x in stderr.splitlines()[report:] if x.startswith("error: stopped by SIGTERM")]
     assert "Traceback" not in "\n".join(lines), "\n".join(lines)[-3000:]
     assert len(lines) == 1 and "error:" in lines[0], lines
 

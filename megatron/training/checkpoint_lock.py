@@ -304,11 +304,32 @@ def release() -> None:
 
 
 # ------------------------------------------------------------------ SIGTERM
+SIGTERM_LINE = ("error: stopped by SIGTERM: torchrun stops every rank when one fails (its report follows), or the "
+                "job was cancelled; rerun to resume from the last checkpoint")
+
+
 def _on_sigterm(signum, frame) -> None:
-    """Give the lock back, then die of the signal as if no handler were installed."""
+    """Say why in one line (a rank waiting on its own work, e.g. its next plan, is stopped
+    by torchrun before a collective could tell it a peer died), give the lock back, then
+    die of the signal as if no handler were installed."""
+    try:
+        sys.stderr.write(SIGTERM_LINE + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     release()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def say_why_on_sigterm() -> None:
+    """Every rank, at start: SIGTERM (torchrun stopping the ranks after one failed, or a
+    cancelled job) prints one line, gives back a lock held by then, and kills as the default
+    does (`_on_sigterm`); only where nothing else handles it (`--exit-signal-handler` installs
+    its own during training and restores this one after)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.siginterrupt(signal.SIGTERM, False)
 
 
 def _release_on_sigterm(held: _Held) -> None:

@@ -217,6 +217,9 @@ def pretrain(
     except ArgumentError as e:
         _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
+    from megatron.training import checkpoint_lock
+
+    checkpoint_lock.say_why_on_sigterm()  # a rank stopped by torchrun says so in one line
     try:
         logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                            document_datasets_provider)
