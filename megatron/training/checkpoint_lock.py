@@ -322,27 +322,22 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signum)
 
 
-def say_why_on_sigterm() -> None:
+def say_why_on_sigterm() -> bool:
     """Every rank, at start: SIGTERM (torchrun stopping the ranks after one failed, or a
     cancelled job) prints one line, gives back a lock held by then, and kills as the default
     does (`_on_sigterm`); only where nothing else handles it (`--exit-signal-handler` installs
-    its own during training and restores this one after)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        signal.siginterrupt(signal.SIGTERM, False)
+    its own during training and restores this one after). True when it installed it."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.siginterrupt(signal.SIGTERM, False)  # a blocking collective resumes instead of failing with EINTR
+    return True
 
 
 def _release_on_sigterm(held: _Held) -> None:
-    """SIGTERM's default kills without running any Python: hook it on rank 0 (only where
-    nothing else has: `--exit-signal-handler` installs its own during training, and the job
-    then ends normally)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.siginterrupt(signal.SIGTERM, False)  # a blocking collective resumes instead of failing with EINTR
-    held.on_sigterm = True
+    """SIGTERM's default kills without running any Python: hook it on rank 0 where nothing
+    has yet (a caller of `acquire` other than `pretrain`, which hooks every rank at start)."""
+    held.on_sigterm = say_why_on_sigterm()
 
 
 def _restore_sigterm(held: _Held) -> None:

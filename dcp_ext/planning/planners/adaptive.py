@@ -317,6 +317,12 @@ class AdaptivePlanner(PlannerBase):
         """`lay` on every aligned block of ranks: world // size replicas of it, placed."""
         return place([lay] * (self.cluster.num_gpus // lay.size), self.cluster.num_gpus)
 
+    def _registered(self, mix: LayoutMix) -> bool:
+        """Whether every replica of `mix`, placed, is a type registered at start (ValueError
+        when the mix does not fill this world)."""
+        registered = set(self._types)
+        return all(t in registered for t in self._types_of(place(expand(mix), self.cluster.num_gpus)))
+
     def _search_pool(self, tables: dict, longest: int, progress=None, refine: bool = True) -> Pool:
         """`build_pool` over `tables` for the sample batches, every batch's shortlist priced
         by this planner's full plan (`refine`: see build_pool)."""
@@ -350,9 +356,8 @@ class AdaptivePlanner(PlannerBase):
         if self.static_entry is not None:
             rest = [c for c in pool.layouts if c != self.static_entry][: max(0, self.max_layouts - 1)]
             pool = Pool([self.static_entry] + rest, pool.types, np.zeros((len(rest) + 1, 0)), pool.considered)
-        registered = set(self._types)
         for c in pool.layouts:
-            if any(t not in registered for t in self._types_of(place(expand(c), self.cluster.num_gpus))):
+            if not self._registered(c):
                 raise PlanningError(f"re-chosen pool entry {describe(c)} places on a replica type not registered at start")
         self._use_pool(pool)
         self.pool_choices += 1
@@ -411,10 +416,9 @@ class AdaptivePlanner(PlannerBase):
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("pool")
         if self.rechoose_pool and "recalibrations" in state and saved:
-            registered = set(self._types)
             try:
                 mixes = [parse_layout(c) for c in saved]
-                ok = all(t in registered for c in mixes for t in self._types_of(place(expand(c), self.cluster.num_gpus)))
+                ok = all(self._registered(c) for c in mixes)
             except ValueError:  # not a mix of this world
                 mixes, ok = [], False
             if mixes and ok:
