@@ -203,6 +203,22 @@ def test_sigterm_gives_the_lock_back_then_dies_of_it(tmp_path, monkeypatch):
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.parametrize("said_why", [False, True])
+def test_sigterm_says_why_unless_the_rank_already_did(said_why, monkeypatch, capsys):
+    """A rank that printed its error line and is stopped by torchrun while it exits adds no
+    second line; one stopped with nothing said prints the SIGTERM line."""
+    monkeypatch.setattr(lock.os, "kill", lambda pid, sig: None)
+    monkeypatch.setattr(lock, "_reason_given", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if said_why:
+            lock.reason_given()
+        lock._on_sigterm(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err == ("" if said_why else lock.SIGTERM_LINE + "\n")
+
+
 # ------------------------------------------------------------------------------ real jobs
 STATIC = TINY_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "4"]
 

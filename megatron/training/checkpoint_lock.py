@@ -308,15 +308,26 @@ SIGTERM_LINE = ("error: stopped by SIGTERM: torchrun stops every rank when one f
                 "job was cancelled; rerun to resume from the last checkpoint")
 
 
+_reason_given = False
+
+
+def reason_given() -> None:
+    """This rank has printed why it stops: a SIGTERM that arrives while it exits (torchrun
+    stopping the survivors) adds no second line."""
+    global _reason_given
+    _reason_given = True
+
+
 def _on_sigterm(signum, frame) -> None:
     """Say why in one line (a rank waiting on its own work, e.g. its next plan, is stopped
-    by torchrun before a collective could tell it a peer died), give the lock back, then
-    die of the signal as if no handler were installed."""
-    try:
-        sys.stderr.write(SIGTERM_LINE + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    by torchrun before a collective could tell it a peer died) unless it already said why,
+    give the lock back, then die of the signal as if no handler were installed."""
+    if not _reason_given:
+        try:
+            sys.stderr.write(SIGTERM_LINE + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
     release()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

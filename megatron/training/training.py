@@ -194,6 +194,9 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
         names_its_rank = message.startswith(f"rank {rank} ")
         prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+    from megatron.training import checkpoint_lock
+
+    checkpoint_lock.reason_given()
     sys.exit(code)
 
 
