@@ -113,6 +113,8 @@ py::list baseline(const std::string& name, const LenArray& lengths, const py::se
 
 }  // namespace
 
+void register_bound(py::module_& m);  // bound_solve.cpp: the lower bound's search
+
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";
   m.attr("name") = "cpp";
@@ -124,4 +126,5 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("pack_assignment", &pack_assignment, py::arg("lengths"), py::arg("params"), py::arg("assignment"),
         py::arg("seed"), py::arg("pack_restarts"), py::arg("pack_budget"));
   m.def("baseline", &baseline, py::arg("name"), py::arg("lengths"), py::arg("params"), py::arg("seed"));
+  register_bound(m);
 }

@@ -44,6 +44,7 @@ monotone in T.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -259,7 +260,32 @@ def _bisect(feasible, lo: float, hi: float | None = None, rel: float = 1e-6) -> 
     return lo
 
 
-def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool) -> float:
+def _kernel():
+    """The C++ search (csrc/bound_solve.cpp) unless DCP_ASSIGN_IMPL=python asks for the
+    reference; None where the kernels are not built."""
+    if os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
+        return None
+    try:
+        from dcp_ext.assign import _kernels  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return getattr(_kernels, "bound_solve", None)
+
+
+def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool, impl: str = "auto") -> float:
+    """The least time T at which the relaxation holds (see the module docstring), by
+    bisection; `impl` "auto" runs the C++ kernel where built, "python" the reference below
+    (the two are equal bit for bit: tests/test_bound_kernel.py)."""
+    kernel = _kernel() if impl == "auto" else None
+    if kernel is not None and len(lengths) > 0:
+        f = np.ascontiguousarray
+        return float(kernel(f(tb.x0, float), f(tb.x1, float), f(tb.psi, float), f(tb.alone, float),
+                            *(f(v, float) for v in (tb.sync, tb.size, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma, theta)),
+                            int(n_dev), int(np.argmax(np.asarray(lengths))), bool(refine)))
+    return _solve_py(tb, n_dev, lengths, theta, refine)
+
+
+def _solve_py(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool) -> float:
     lo = float(tb.alone.min(axis=1).max())
     need_at = _Needs(tb, theta).best
 
@@ -316,14 +342,16 @@ def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool
 
 
 def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
-                tables: BoundTables | None = None, refine: bool = True, pipeline: bool = True) -> float:
+                tables: BoundTables | None = None, refine: bool = True, pipeline: bool = True,
+                impl: str = "auto") -> float:
     """A time no plan of this batch can beat on this cluster (see the module docstring).
 
     refine: also use that the longest document sits on one replica of some layout L;
     that replica's devices run every other document they take at L's cost, not at each
     document's best one. pipeline: charge pipelines their provable bubble (False: only
     the memory-forced micro-batch constants and (pp-1) of them for fill and drain, the
-    weaker bound kept for comparison).
+    weaker bound kept for comparison). impl: "auto" (the C++ search where built) or
+    "python" (the reference), equal bit for bit.
     """
     if len(lengths) == 0:
         return 0.0
@@ -338,11 +366,11 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
     if not pipeline:
         tb = BoundTables(tb.x0, tb.x1, np.full_like(tb.psi, -np.inf), tb.alone, tb.sync, tb.layouts,
                          tb.size, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma)
-        return _solve(tb, n_dev, lengths, theta, refine)
+        return _solve(tb, n_dev, lengths, theta, refine, impl)
     # per layout, the micro-batch count argument that charges this batch more near its
     # bound (at the unrefined all-memory one); fixed before the search so that
     # feasibility stays monotone in T
-    t1 = _solve(tb, n_dev, lengths, theta, False)
+    t1 = _solve(tb, n_dev, lengths, theta, False, impl)
     for j in range(k):
         room = t1 - tb.sync[j]
         if tb.q[j] == 0 or room <= 0:
@@ -356,4 +384,4 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
             continue
         if np.any(cap1 <= 0) or float((tb.x0[fin, j] / cap0).sum()) > float((tb.x1[fin, j] / cap1).sum()):
             theta[j] = 0.0
-    return max(t1, _solve(tb, n_dev, lengths, theta, refine))
+    return max(t1, _solve(tb, n_dev, lengths, theta, refine, impl))

@@ -1,0 +1,292 @@
+// The lower bound's search in C++: dcp_ext.planning.bound._solve, bit for bit.
+//
+// Why it exists: building the adaptive planner prices each sample batch with the lower
+// bound, and its bisection (a [documents x layouts] needs matrix per probed time, up to
+// ~80 probes, twice per batch, plus the longest-document refinement) was 85% of the build
+// at h200x64 in numpy. Here the same arithmetic runs in one pass per probe, no temporaries.
+//
+// Equality with the Python reference (tests/test_bound_kernel.py): every expression keeps
+// numpy's operation order, FP contraction is off (setup.py), np.maximum/np.minimum keep
+// NaN, and every sum numpy takes (`ndarray.sum`, pairwise) is taken the same way
+// (`pairwise_sum`). Ties in the refinement's ratio order are broken by document index.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kEps = 1e-9;  // bound._EPS
+
+inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a > b ? a : b); }
+inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a < b ? a : b); }
+
+// numpy's float64 add.reduce of a contiguous array: 0.0 + pairwise sum, 8-way unrolled
+// blocks of at most 128.
+double pairwise(const double* a, int64_t n) {
+  if (n < 8) {
+    double r = 0.0;
+    for (int64_t i = 0; i < n; ++i) r += a[i];
+    return r;
+  }
+  if (n <= 128) {
+    double r[8];
+    for (int j = 0; j < 8; ++j) r[j] = a[j];
+    int64_t i = 8;
+    for (; i < n - (n % 8); i += 8)
+      for (int j = 0; j < 8; ++j) r[j] += a[i + j];
+    double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) res += a[i];
+    return res;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  return pairwise(a, n2) + pairwise(a + n2, n - n2);
+}
+
+double pairwise_sum(const std::vector<double>& v) { return 0.0 + pairwise(v.data(), static_cast<int64_t>(v.size())); }
+
+// bound.capacity for one element.
+double capacity(double room, double psi, double q, double c0, double c0fb, double cv, double gamma, double theta) {
+  const double u = nmax(c0fb, psi);
+  const double cap1 = room - q * (u - c0);
+  const double simple = room - c0 - q * u;
+  const bool cv_fin = std::isfinite(cv);
+  const bool use_v = cv_fin && gamma > 0 && q > 0 && c0 > 0;
+  const double cvv = cv_fin ? cv : 0.0;
+  const double kg = q * gamma;
+  const double Rp = room - q * cvv;
+  const double c0s = c0 > 0 ? c0 : 1.0;
+  const double m_s = nmax(1.0, -kg + std::sqrt(kg * kg + nmax(Rp, 0.0) * kg / c0s));
+  const double den = q * u + c0 * kg - q * cvv;
+  double m_c = den > 0 ? kg * (room - q * u) / den : 1.0;
+  if (!std::isfinite(m_c)) m_c = 1.0;  // nan_to_num(nan=1, posinf=1, neginf=1)
+  m_c = nmin(nmax(m_c, 1.0), m_s);     // clip
+  auto g = [&](double m) {
+    const double f2 = (kg + m > 0) ? (Rp - m * c0) * m / (m + kg) : -kInf;
+    return nmin(room - m * c0 - q * u, f2);
+  };
+  const double best = nmax(nmax(g(1.0), g(m_s)), g(m_c));
+  double cap0 = use_v ? best : simple;
+  const double free_m = (cv_fin && gamma > 0) ? nmin(room - q * u, Rp) : room - q * u;
+  cap0 = c0 > 0 ? cap0 : free_m;
+  const double out = theta >= 1 ? cap1 : cap0;
+  return out + kEps * std::abs(out);
+}
+
+using Arr = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+struct Tables {  // bound.BoundTables, read-only views
+  int64_t n, k;
+  const double *x0, *x1, *psi, *alone, *sync, *size, *q, *c0, *c0fb, *cv, *gamma, *theta;
+};
+
+// bound._Needs: each document's least need over layouts at time T.
+class Needs {
+ public:
+  explicit Needs(const Tables& tb) : tb_(tb), x_(tb.n * tb.k), u_(tb.n * tb.k), kind_(tb.k), room_(tb.k) {
+    for (int64_t j = 0; j < tb.k; ++j) {
+      const bool th1 = tb.theta[j] >= 1;
+      kind_[j] = th1 ? 0 : (tb.q[j] == 0 ? 1 : 2);
+      any_cols0_ = any_cols0_ || kind_[j] == 2;
+    }
+    for (int64_t i = 0; i < tb.n; ++i)
+      for (int64_t j = 0; j < tb.k; ++j) {
+        const int64_t e = i * tb.k + j;
+        x_[e] = tb.theta[j] >= 1 ? tb.x1[e] : tb.x0[e];
+        u_[e] = nmax(tb.c0fb[j], tb.psi[e]);
+      }
+  }
+
+  void best(double T, std::vector<double>& out) {
+    const Tables& tb = tb_;
+    out.resize(tb.n);
+    for (int64_t j = 0; j < tb.k; ++j) room_[j] = T - tb.sync[j];
+    for (int64_t i = 0; i < tb.n; ++i) {
+      double m = kInf;
+      bool first = true;
+      for (int64_t j = 0; j < tb.k; ++j) {
+        const int64_t e = i * tb.k + j;
+        const double room = room_[j];
+        double cap;
+        if (kind_[j] == 2) {
+          cap = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
+        } else {
+          cap = room - tb.q[j] * (u_[e] - tb.c0[j]);
+          if (kind_[j] == 1) cap -= tb.c0[j];
+          if (!any_cols0_) cap = cap + kEps * std::abs(cap);
+        }
+        const bool ok = std::isfinite(x_[e]) && tb.alone[e] <= T && cap > 0 && room > 0;
+        const double v = ok ? tb.size[j] * x_[e] / cap : kInf;
+        m = first ? v : nmin(m, v);
+        first = false;
+      }
+      out[i] = m;
+    }
+  }
+
+ private:
+  const Tables& tb_;
+  std::vector<double> x_, u_;
+  std::vector<int> kind_;
+  bool any_cols0_ = false;
+  std::vector<double> room_;
+};
+
+// bound._bisect
+template <class F>
+double bisect(F feasible, double lo, double rel = 1e-6) {
+  if (feasible(lo)) return lo;
+  double hi = std::max(lo, 1e-9) * 2;
+  while (!feasible(hi)) {
+    lo = hi;
+    hi = hi * 2;
+    if (hi > 1e9) throw std::runtime_error("lower bound diverged");
+  }
+  for (int it = 0; it < 80; ++it) {
+    if (hi - lo <= rel * hi) break;
+    const double mid = 0.5 * (lo + hi);
+    if (feasible(mid))
+      hi = mid;
+    else
+      lo = mid;
+  }
+  return lo;
+}
+
+class Solver {
+ public:
+  Solver(const Tables& tb, double n_dev, int64_t kk) : tb_(tb), needs_(tb), n_dev_(n_dev), kk_(kk) {}
+
+  double solve(bool refine) {
+    const Tables& tb = tb_;
+    double lo = -kInf;
+    for (int64_t i = 0; i < tb.n; ++i) {
+      double m = tb.alone[i * tb.k];
+      for (int64_t j = 1; j < tb.k; ++j) m = nmin(m, tb.alone[i * tb.k + j]);
+      lo = i == 0 ? m : nmax(lo, m);
+    }
+    const double t0 = bisect([&](double T) { needs_.best(T, need_); return pairwise_sum(need_) <= n_dev_; }, lo);
+    if (!refine || tb.n < 2) return t0;
+    std::vector<int64_t> order;
+    for (int64_t j = 0; j < tb.k; ++j)
+      if (std::isfinite(at(tb.alone, kk_, j))) order.push_back(j);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return at(tb.alone, kk_, a) < at(tb.alone, kk_, b); });
+    auto any_special = [&](double T) {
+      needs_.best(T, need_);
+      others_.clear();
+      for (int64_t i = 0; i < tb.n; ++i)
+        if (i != kk_) others_.push_back(need_[i]);
+      for (int64_t j : order)
+        if (at(tb.alone, kk_, j) <= T && special_ok(j, T)) return true;
+      return false;
+    };
+    return std::max(t0, bisect(any_special, t0));
+  }
+
+ private:
+  double at(const double* a, int64_t i, int64_t j) const { return a[i * tb_.k + j]; }
+
+  // bound._solve.special_ok: feasible at T with the longest document on a replica of layout j
+  bool special_ok(int64_t j, double T) {
+    const Tables& tb = tb_;
+    const double room = T - tb.sync[j];
+    if (at(tb.alone, kk_, j) > T || tb.size[j] > n_dev_ || room <= 0) return false;
+    const double* xs = tb.theta[j] >= 1 ? tb.x1 : tb.x0;
+    double cap = capacity(room, at(tb.psi, kk_, j), tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], tb.theta[j]) -
+                 at(xs, kk_, j);
+    if (cap < 0) return false;
+    forced_st_.clear();
+    rest_.clear();
+    cand_.clear();
+    int64_t o = 0;  // index among the others
+    for (int64_t i = 0; i < tb.n; ++i) {
+      if (i == kk_) continue;
+      const double st = at(xs, i, j);
+      const double need = others_[o++];
+      const bool elig = at(tb.alone, i, j) <= T && std::isfinite(st);
+      if (!std::isfinite(need)) {
+        if (!elig) return false;
+        forced_st_.push_back(st);
+      } else {
+        rest_.push_back(need);
+        if (elig && st > 0) cand_.push_back({need / st, st, need});
+      }
+    }
+    cap -= pairwise_sum(forced_st_);
+    if (cap < 0) return false;
+    double rest = pairwise_sum(rest_);
+    if (cap > 0 && !cand_.empty()) {
+      // fill its spare time with the documents that save the most devices elsewhere
+      std::stable_sort(cand_.begin(), cand_.end(), [](const Cand& a, const Cand& b) { return -a.ratio < -b.ratio; });
+      int64_t full = 0;
+      double cs = 0.0, used = 0.0;
+      for (const Cand& c : cand_) {  // searchsorted(cumsum, cap, "right")
+        cs += c.st;
+        if (cs > cap) break;
+        used = cs;
+        ++full;
+      }
+      picked_.clear();
+      for (int64_t i = 0; i < full; ++i) picked_.push_back(cand_[i].need);
+      double saved = pairwise_sum(picked_);
+      if (full < static_cast<int64_t>(cand_.size())) saved += cand_[full].need * (cap - used) / cand_[full].st;
+      rest -= saved;
+    }
+    return rest <= n_dev_ - tb.size[j] + 1e-9;
+  }
+
+  struct Cand {
+    double ratio, st, need;
+  };
+  const Tables& tb_;
+  Needs needs_;
+  double n_dev_;
+  int64_t kk_;
+  std::vector<double> need_, others_, forced_st_, rest_, picked_;
+  std::vector<Cand> cand_;
+};
+
+const double* matrix(const Arr& a, int64_t n, int64_t k, const char* name) {
+  if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != k) throw py::value_error(std::string(name) + " must be [n, k]");
+  return a.data();
+}
+
+const double* vec(const Arr& a, int64_t k, const char* name) {
+  if (a.ndim() != 1 || a.shape(0) != k) throw py::value_error(std::string(name) + " must have one value per layout");
+  return a.data();
+}
+
+}  // namespace
+
+double bound_solve(const Arr& x0, const Arr& x1, const Arr& psi, const Arr& alone, const Arr& sync, const Arr& size,
+                   const Arr& q, const Arr& c0, const Arr& c0fb, const Arr& cv, const Arr& gamma, const Arr& theta,
+                   int64_t n_dev, int64_t longest, bool refine) {
+  if (x0.ndim() != 2) throw py::value_error("x0 must be [n, k]");
+  const int64_t n = x0.shape(0), k = x0.shape(1);
+  if (n == 0 || k == 0) throw py::value_error("the bound needs documents and layouts");
+  if (longest < 0 || longest >= n) throw py::value_error("longest must index a document");
+  Tables tb{n, k, matrix(x0, n, k, "x0"), matrix(x1, n, k, "x1"), matrix(psi, n, k, "psi"), matrix(alone, n, k, "alone"),
+            vec(sync, k, "sync"), vec(size, k, "size"), vec(q, k, "q"), vec(c0, k, "c0"), vec(c0fb, k, "c0fb"),
+            vec(cv, k, "cv"), vec(gamma, k, "gamma"), vec(theta, k, "theta")};
+  py::gil_scoped_release nogil;
+  Solver s(tb, static_cast<double>(n_dev), longest);
+  return s.solve(refine);
+}
+
+void register_bound(py::module_& m) {
+  m.def("bound_solve", &bound_solve, py::arg("x0"), py::arg("x1"), py::arg("psi"), py::arg("alone"), py::arg("sync"),
+        py::arg("size"), py::arg("q"), py::arg("c0"), py::arg("c0fb"), py::arg("cv"), py::arg("gamma"),
+        py::arg("theta"), py::arg("n_dev"), py::arg("longest"), py::arg("refine"));
+}
