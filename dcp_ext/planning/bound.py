@@ -116,10 +116,66 @@ def _layout_constants(cm: CostModel, lay: Layout):
     return c0, c0f + c0b, cv, max(gamma, 0.0), rho, kappa, c0f, c0b
 
 
-def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None) -> BoundTables:
+@dataclass
+class _LayoutTerms:
+    """What `bound_tables` needs of one layout that does not depend on the batch."""
+
+    consts: tuple  # _layout_constants
+    sync: float
+    free: float  # device bytes beside the layout's state
+    caps: np.ndarray = None  # [levels] most tokens alone per recompute level, made monotone
+    # per recompute level rs (rows): the coefficients the tables use
+    a: np.ndarray = None
+    b: np.ndarray = None
+    c: np.ndarray = None
+    keep: np.ndarray = None  # c0 * pp * kept activation bytes per token / free
+    a_b: np.ndarray = None
+    b_b: np.ndarray = None
+    c_b: np.ndarray = None
+    c0: np.ndarray = None
+    cp: np.ndarray = None  # [4, levels] cp_att, cp_comm, cp_layers, cp_recompute
+
+
+def _layout_terms(cm: CostModel, lay: Layout) -> _LayoutTerms:
+    consts = _layout_constants(cm, lay)
+    t = _LayoutTerms(consts, cm.sync_time(lay, None), cm.capacity_bytes - cm.state_bytes(lay))
+    if t.free <= 0:
+        return t
+    Ls = cm.layers_per_stage(lay)
+    t.caps = np.maximum.accumulate(np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)]))
+    cos = [cm.coeffs(lay, rs) for rs in range(Ls + 1)]
+    c0 = consts[0]
+    col = lambda v: np.array(v, dtype=float)[:, None]  # noqa: E731
+    t.a, t.b, t.c = col([co.a for co in cos]), col([co.b for co in cos]), col([co.c for co in cos])
+    t.keep = col([c0 * lay.pp * cm.act_bytes_per_token(lay, rs)[0] / t.free for rs in range(Ls + 1)])
+    t.a_b, t.b_b, t.c_b = col([co.a_b for co in cos]), col([co.b_b for co in cos]), col([co.c_b for co in cos])
+    t.c0 = col([co.c0 for co in cos])
+    t.cp = np.array([[co.cp_att, co.cp_comm, co.cp_layers, co.cp_recompute] for co in cos], dtype=float).T[:, :, None]
+    return t
+
+
+def _excess(cp: np.ndarray, s2: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """StageCoeffs.excess for every recompute level at once ([levels, n]); 0 where a level
+    has no kv exchange."""
+    att_c, comm_c, layers, recomp = cp
+    if not np.any(comm_c != 0.0):
+        return 0.0
+    att = att_c * s2
+    com = comm_c * tokens
+    ex_f = np.maximum(0.0, com - att)
+    from dcp_ext.planning.cost_model import ATTN_BWD_FACTOR
+
+    ex_b = np.maximum(0.0, 2.0 * com - ATTN_BWD_FACTOR * att)
+    out = (layers + recomp) * ex_f + layers * ex_b
+    return np.where(comm_c == 0.0, 0.0, out)
+
+
+def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
+                 cache: dict | None = None) -> BoundTables:
     """Per document and layout: its least additive stage work (with and without the
     memory-forced share of micro-batch constants), its bubble floor as its replica's
-    longest document, and its time alone."""
+    longest document, and its time alone. `cache` (a dict the caller keeps while `cm`'s
+    prices do not change) holds the per-layout terms across batches."""
     layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
     s = np.asarray(lengths, dtype=float)
     n, k = len(s), len(layouts)
@@ -130,32 +186,31 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     sync = np.empty(k)
     per = np.zeros((6, k))  # size, q, c0, c0fb, cv, gamma
     for j, lay in enumerate(layouts):
-        c0, c0fb, cv, gamma, rho, kappa, c0f, c0b = _layout_constants(cm, lay)
-        sync[j] = cm.sync_time(lay, None)
+        t = cache.get(lay) if cache is not None else None
+        if t is None:
+            t = _layout_terms(cm, lay)
+            if cache is not None:
+                cache[lay] = t
+        c0, c0fb, cv, gamma, rho, kappa, c0f, c0b = t.consts
+        sync[j] = t.sync
         per[:, j] = (lay.size, lay.pp - 1, c0, c0fb, cv, gamma)
-        Ls = cm.layers_per_stage(lay)
-        free = cm.capacity_bytes - cm.state_bytes(lay)
-        if free <= 0 or n == 0:
+        if t.free <= 0 or n == 0:
             continue
-        # smallest recompute that holds each document alone (caps made monotone)
-        caps = np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)])
-        caps = np.maximum.accumulate(caps)
-        rs_min = np.searchsorted(caps, s, side="left")  # first rs with cap >= s
-        b_min = np.full(n, np.inf)
-        a_min = np.full(n, np.inf)
-        for rs in range(int(rs_min.min()), Ls + 1):
-            sel = rs_min <= rs
-            if not sel.any():
-                continue
-            co = cm.coeffs(lay, rs)
-            keep = cm.act_bytes_per_token(lay, rs)[0]
-            ss = s[sel]
-            cost = co.doc_cost(ss)
-            x0[sel, j] = np.minimum(x0[sel, j], cost)
-            x1[sel, j] = np.minimum(x1[sel, j], cost + c0 * lay.pp * keep / free * ss)
-            b_min[sel] = np.minimum(b_min[sel], co.a_b * ss * ss + co.b_b * ss + co.c_b)
-            a_min[sel] = np.minimum(a_min[sel], lay.pp * co.mb_time(ss * ss, ss, 1))
-        alone[:, j] = a_min + sync[j]
+        # every recompute level at once (rows), a level only for documents it holds alone
+        # (the smallest that holds each document and every larger one: caps made monotone)
+        rs_min = np.searchsorted(t.caps, s, side="left")  # first rs with cap >= s
+        lo = int(rs_min.min())
+        if lo >= len(t.caps):
+            continue
+        sel = np.arange(lo, len(t.caps))[:, None] >= rs_min[None, :]
+        r = slice(lo, None)
+        cost = t.a[r] * s * s + t.b[r] * s + t.c[r]
+        x0[:, j] = np.where(sel, cost, np.inf).min(axis=0)
+        x1[:, j] = np.where(sel, cost + t.keep[r] * s, np.inf).min(axis=0)
+        b_min = np.where(sel, t.a_b[r] * s * s + t.b_b[r] * s + t.c_b[r], np.inf).min(axis=0)
+        s2 = s * s
+        mb = t.c0[r] + t.a[r] * s2 + t.b[r] * s + t.c[r] * 1 + _excess(t.cp[:, r], s2, s)
+        alone[:, j] = np.where(sel, lay.pp * mb, np.inf).min(axis=0) + sync[j]
         if lay.pp > 1 and rho >= 1.0 and math.isfinite(kappa):
             # (3): f_0 + (1 - 1/rho) * b_k - kappa/rho, b_k >= c0_b + the document's backward
             ok = np.isfinite(b_min)

@@ -223,7 +223,12 @@ def build_pool(
     cannot be balanced over their replicas. `refine=False` takes each batch's weaker lower
     bound (`lower_bound`'s, without its longest-document refinement): half the time, for
     a pool chosen again while training."""
-    from dcp_ext.planning.simulator import lower_bound
+    from dcp_ext.planning.bound import bound_tables, lower_bound
+
+    terms: dict = {}  # per-layout terms of the bound, shared by every batch
+
+    def bound(b):
+        return lower_bound(cm, b, tables=bound_tables(cm, b, list(tables), terms) if len(b) else None, refine=refine)
 
     world = cm.cluster.num_gpus
     all_lens = np.concatenate([np.asarray(b) for b in batches]) if batches else np.array([max_seq_len])
@@ -239,7 +244,7 @@ def build_pool(
     preps = []
     for b in batches:
         preps.append(BatchPrep(cm, tables, b))
-        lbs.append(lower_bound(cm, b, layouts=list(tables), refine=refine))
+        lbs.append(bound(b))
     t_ref = float(np.median(lbs)) if lbs else 1.0
     types = prune_types(cm, tables, np.append(all_lens, max_seq_len), t_ref) if prune else list(tables)
     # the max-length holder that finishes it fastest must be available
@@ -251,9 +256,9 @@ def build_pool(
     extras = [np.asarray(b) for b in extra_batches if len(b)]
     for b in extras:
         preps.append(BatchPrep(cm, tables, b))
-        lbs.append(lower_bound(cm, b, layouts=list(tables), refine=refine))
+        lbs.append(bound(b))
     weights = np.array([1.0] * (len(preps) - len(extras)) + [extra_weight] * len(extras))
-    jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), lower_bound(cm, synth, layouts=list(tables), refine=refine))]
+    jobs = list(zip(preps, lbs)) + [(BatchPrep(cm, tables, synth), bound(synth))]
     for k, (prep, lb) in enumerate(jobs):
         counts, _ = best_mix_by_dynamic_program(prep, types, world, lb)
         # again with the sync of as many replicas as that layout has (each device also
