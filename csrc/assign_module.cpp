@@ -113,7 +113,7 @@ py::list baseline(const std::string& name, const LenArray& lengths, const py::se
 
 }  // namespace
 
-void register_bound(py::module_& m);  // bound_solve.cpp: the lower bound's search
+void register_bound(py::module_& m);  // bound.cpp: the lower bound's tables and search
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";

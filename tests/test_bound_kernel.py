@@ -1,5 +1,5 @@
 """The lower bound's tables, vectorised over recompute levels, equal their one-level-at-a-
-time reference, and its C++ search (csrc/bound_solve.cpp) equals its Python reference
+time reference, and its C++ search (csrc/bound.cpp) equals its Python reference
 (`bound._solve_py`) bit for bit: same bound for every batch, with and without the
 longest-document refinement and the pipeline floors, on GPU clusters (pipelines, CP) and
 on the CPU demo's (quadratic memory), for real length distributions."""
@@ -33,16 +33,18 @@ def _batches(name, max_seq_len, tokens, count, start):
 
 @pytest.mark.parametrize("model,cluster,data,max_seq_len,tokens", CASES)
 def test_tables_equal_the_reference(model, cluster, data, max_seq_len, tokens):
-    """Every array, bit for bit, with the per-layout terms cached across batches, for the
-    cost model and for the v2 bound's relaxed prices."""
+    """Every array, bit for bit, numpy and C++ (where built), with the per-layout terms
+    cached across batches, for the cost model and for the v2 bound's relaxed prices."""
     cm = CostModel(ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster))
     for prices in (cm, RelaxedPrices(cm)):
         cache = {}
         for batch in _batches(data, max_seq_len, tokens, 2, start=5) + [[max_seq_len] * 3, [1, 2, 3]]:
-            got, ref = bound_tables(prices, batch, cache=cache), _reference_tables(prices, batch)
-            for name in ("x0", "x1", "psi", "alone", "sync", "size", "q", "c0", "c0fb", "cv", "gamma"):
-                assert np.array_equal(getattr(got, name), getattr(ref, name)), name
-            assert got.layouts == ref.layouts
+            ref = _reference_tables(prices, batch)
+            for impl in ("python", "auto"):
+                got = bound_tables(prices, batch, cache=cache, impl=impl)
+                for name in ("x0", "x1", "psi", "alone", "sync", "size", "q", "c0", "c0fb", "cv", "gamma"):
+                    assert np.array_equal(getattr(got, name), getattr(ref, name)), (impl, name)
+                assert got.layouts == ref.layouts
         assert cache
 
 

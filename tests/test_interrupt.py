@@ -1,6 +1,7 @@
 """SIGINT (Ctrl-C) ends a run in one line, like SIGTERM without --exit-signal-handler
 (issue 24, class F): it used to print 49-124 lines of traceback, under torchrun too. The
 line says where the run can resume."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ def interrupt_after_a_save(nproc, path, corpus, tmp_path):
                                         "--data-cache-path", str(tmp_path / "cache"), "--loss-log", log,
                                         "--save", save, "--save-interval", "2"]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        proc = start_ranks(nproc, flags, out, err)
+        proc = start_ranks(nproc, flags, out, err, env={"PYTHONFAULTHANDLER": "1"})
         try:
             deadline = time.time() + 300
             while time.time() < deadline and proc.poll() is None:
@@ -36,7 +37,14 @@ def interrupt_after_a_save(nproc, path, corpus, tmp_path):
             ranks = [proc.pid] if nproc == 1 else [p.pid for p in rank_processes(proc, ENTRY)]
             for pid in ranks:  # what Ctrl-C in a terminal, or `kill -INT` to the job, delivers
                 os.kill(pid, signal.SIGINT)
-            code = proc.wait(timeout=120)
+            try:
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # hung after SIGINT: where each thread is (faulthandler)
+                for pid in ranks:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGABRT)
+                time.sleep(5)
+                raise AssertionError("no exit 120 s after SIGINT; stacks:\n" + open(tmp_path / "err").read()[-8000:])
         finally:
             kill_tree(proc)
     return code, open(tmp_path / "err").read(), save

@@ -124,16 +124,10 @@ class _LayoutTerms:
     sync: float
     free: float  # device bytes beside the layout's state
     caps: np.ndarray = None  # [levels] most tokens alone per recompute level, made monotone
-    # per recompute level rs (rows): the coefficients the tables use
-    a: np.ndarray = None
-    b: np.ndarray = None
-    c: np.ndarray = None
-    keep: np.ndarray = None  # c0 * pp * kept activation bytes per token / free
-    a_b: np.ndarray = None
-    b_b: np.ndarray = None
-    c_b: np.ndarray = None
-    c0: np.ndarray = None
-    cp: np.ndarray = None  # [4, levels] cp_att, cp_comm, cp_layers, cp_recompute
+    # [8, levels]: per recompute level rs, the coefficients a, b, c, keep (c0 * pp * kept
+    # activation bytes per token / free), a_b, b_b, c_b, c0
+    levels: np.ndarray = None
+    cp: np.ndarray = None  # [4, levels]: cp_att, cp_comm, cp_layers, cp_recompute
 
 
 def _layout_terms(cm: CostModel, lay: Layout) -> _LayoutTerms:
@@ -144,38 +138,54 @@ def _layout_terms(cm: CostModel, lay: Layout) -> _LayoutTerms:
     Ls = cm.layers_per_stage(lay)
     t.caps = np.maximum.accumulate(np.array([cm.max_tokens(lay, rs, 1) for rs in range(Ls + 1)]))
     cos = [cm.coeffs(lay, rs) for rs in range(Ls + 1)]
-    c0 = consts[0]
-    col = lambda v: np.array(v, dtype=float)[:, None]  # noqa: E731
-    t.a, t.b, t.c = col([co.a for co in cos]), col([co.b for co in cos]), col([co.c for co in cos])
-    t.keep = col([c0 * lay.pp * cm.act_bytes_per_token(lay, rs)[0] / t.free for rs in range(Ls + 1)])
-    t.a_b, t.b_b, t.c_b = col([co.a_b for co in cos]), col([co.b_b for co in cos]), col([co.c_b for co in cos])
-    t.c0 = col([co.c0 for co in cos])
-    t.cp = np.array([[co.cp_att, co.cp_comm, co.cp_layers, co.cp_recompute] for co in cos], dtype=float).T[:, :, None]
+    keep = [consts[0] * lay.pp * cm.act_bytes_per_token(lay, rs)[0] / t.free for rs in range(Ls + 1)]
+    t.levels = np.array([[co.a for co in cos], [co.b for co in cos], [co.c for co in cos], keep,
+                         [co.a_b for co in cos], [co.b_b for co in cos], [co.c_b for co in cos],
+                         [co.c0 for co in cos]], dtype=float)
+    t.cp = np.array([[co.cp_att, co.cp_comm, co.cp_layers, co.cp_recompute] for co in cos], dtype=float).T.copy()
     return t
 
 
-def _excess(cp: np.ndarray, s2: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """StageCoeffs.excess for every recompute level at once ([levels, n]); 0 where a level
-    has no kv exchange."""
-    att_c, comm_c, layers, recomp = cp
-    if not np.any(comm_c != 0.0):
-        return 0.0
-    att = att_c * s2
-    com = comm_c * tokens
-    ex_f = np.maximum(0.0, com - att)
+def _layout_tables_numpy(s: np.ndarray, rs_min: np.ndarray, levels: np.ndarray, cp: np.ndarray, pp: int):
+    """(x0, x1, b_min, a_min) of one layout, every recompute level at once (rows), a level
+    only for the documents it holds (r >= rs_min); the kernel `bound_layout_tables` does the
+    same in one pass."""
     from dcp_ext.planning.cost_model import ATTN_BWD_FACTOR
 
-    ex_b = np.maximum(0.0, 2.0 * com - ATTN_BWD_FACTOR * att)
-    out = (layers + recomp) * ex_f + layers * ex_b
-    return np.where(comm_c == 0.0, 0.0, out)
+    lo = int(rs_min.min())
+    sel = np.arange(lo, levels.shape[1])[:, None] >= rs_min[None, :]
+    a, b, c, keep, a_b, b_b, c_b, c0 = (row[lo:, None] for row in levels)
+    cost = a * s * s + b * s + c
+    x0 = np.where(sel, cost, np.inf).min(axis=0)
+    x1 = np.where(sel, cost + keep * s, np.inf).min(axis=0)
+    b_min = np.where(sel, a_b * s * s + b_b * s + c_b, np.inf).min(axis=0)
+    s2 = s * s
+    excess = 0.0  # StageCoeffs.excess, 0 on levels without a kv exchange
+    att_c, comm_c, layers, recomp = (row[lo:, None] for row in cp)
+    if np.any(comm_c != 0.0):
+        att, com = att_c * s2, comm_c * s
+        ex_f = np.maximum(0.0, com - att)
+        ex_b = np.maximum(0.0, 2.0 * com - ATTN_BWD_FACTOR * att)
+        excess = np.where(comm_c == 0.0, 0.0, (layers + recomp) * ex_f + layers * ex_b)
+    mb = c0 + a * s2 + b * s + c * 1 + excess
+    return x0, x1, b_min, np.where(sel, pp * mb, np.inf).min(axis=0)
+
+
+def _tables_kernel():
+    from dcp_ext.planning.cost_model import ATTN_BWD_FACTOR
+
+    k = _kernels()
+    f = getattr(k, "bound_layout_tables", None) if k is not None else None
+    return (lambda s, rs_min, levels, cp, pp: f(s, rs_min, levels, cp, pp, ATTN_BWD_FACTOR)) if f else None
 
 
 def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
-                 cache: dict | None = None) -> BoundTables:
+                 cache: dict | None = None, impl: str = "auto") -> BoundTables:
     """Per document and layout: its least additive stage work (with and without the
     memory-forced share of micro-batch constants), its bubble floor as its replica's
     longest document, and its time alone. `cache` (a dict the caller keeps while `cm`'s
-    prices do not change) holds the per-layout terms across batches."""
+    prices do not change) holds the per-layout terms across batches. impl: "auto" (the C++
+    kernel where built) or "python" (numpy), equal bit for bit."""
     layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
     s = np.asarray(lengths, dtype=float)
     n, k = len(s), len(layouts)
@@ -185,6 +195,7 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     alone = np.full((n, k), np.inf)
     sync = np.empty(k)
     per = np.zeros((6, k))  # size, q, c0, c0fb, cv, gamma
+    one_layout = (_tables_kernel() if impl == "auto" else None) or _layout_tables_numpy
     for j, lay in enumerate(layouts):
         t = cache.get(lay) if cache is not None else None
         if t is None:
@@ -196,21 +207,12 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
         per[:, j] = (lay.size, lay.pp - 1, c0, c0fb, cv, gamma)
         if t.free <= 0 or n == 0:
             continue
-        # every recompute level at once (rows), a level only for documents it holds alone
-        # (the smallest that holds each document and every larger one: caps made monotone)
+        # the smallest recompute level that holds each document alone, and every larger one
         rs_min = np.searchsorted(t.caps, s, side="left")  # first rs with cap >= s
-        lo = int(rs_min.min())
-        if lo >= len(t.caps):
+        if int(rs_min.min()) >= len(t.caps):
             continue
-        sel = np.arange(lo, len(t.caps))[:, None] >= rs_min[None, :]
-        r = slice(lo, None)
-        cost = t.a[r] * s * s + t.b[r] * s + t.c[r]
-        x0[:, j] = np.where(sel, cost, np.inf).min(axis=0)
-        x1[:, j] = np.where(sel, cost + t.keep[r] * s, np.inf).min(axis=0)
-        b_min = np.where(sel, t.a_b[r] * s * s + t.b_b[r] * s + t.c_b[r], np.inf).min(axis=0)
-        s2 = s * s
-        mb = t.c0[r] + t.a[r] * s2 + t.b[r] * s + t.c[r] * 1 + _excess(t.cp[:, r], s2, s)
-        alone[:, j] = np.where(sel, lay.pp * mb, np.inf).min(axis=0) + sync[j]
+        x0[:, j], x1[:, j], b_min, a_min = one_layout(s, rs_min, t.levels, t.cp, lay.pp)
+        alone[:, j] = a_min + sync[j]
         if lay.pp > 1 and rho >= 1.0 and math.isfinite(kappa):
             # (3): f_0 + (1 - 1/rho) * b_k - kappa/rho, b_k >= c0_b + the document's backward
             ok = np.isfinite(b_min)
@@ -315,16 +317,21 @@ def _bisect(feasible, lo: float, hi: float | None = None, rel: float = 1e-6) -> 
     return lo
 
 
-def _kernel():
-    """The C++ search (csrc/bound_solve.cpp) unless DCP_ASSIGN_IMPL=python asks for the
-    reference; None where the kernels are not built."""
+def _kernels():
+    """The C++ kernels (csrc/bound.cpp) unless DCP_ASSIGN_IMPL=python asks for the
+    reference; None where they are not built."""
     if os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
         return None
     try:
         from dcp_ext.assign import _kernels  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return getattr(_kernels, "bound_solve", None)
+    return _kernels
+
+
+def _kernel():
+    k = _kernels()
+    return getattr(k, "bound_solve", None) if k is not None else None
 
 
 def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool, impl: str = "auto") -> float:

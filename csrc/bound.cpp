@@ -1,9 +1,12 @@
-// The lower bound's search in C++: dcp_ext.planning.bound._solve, bit for bit.
+// The lower bound's kernels in C++: its tables (dcp_ext.planning.bound.bound_tables, one
+// layout per call) and its search (bound._solve_py), bit for bit.
 //
 // Why it exists: building the adaptive planner prices each sample batch with the lower
-// bound, and its bisection (a [documents x layouts] needs matrix per probed time, up to
-// ~80 probes, twice per batch, plus the longest-document refinement) was 85% of the build
-// at h200x64 in numpy. Here the same arithmetic runs in one pass per probe, no temporaries.
+// bound, and its bisection (a [documents x layouts] needs matrix per probed time, ~25
+// probes per bisection, two or three bisections per batch, plus the longest-document
+// refinement) was 85% of the build at h200x64 in numpy; its tables (every document at
+// every recompute level of every layout) the most of the rest at h200x1024. Here the
+// same arithmetic runs in one pass, no temporaries.
 //
 // Equality with the Python reference (tests/test_bound_kernel.py): every expression keeps
 // numpy's operation order, FP contraction is off (setup.py), np.maximum/np.minimum keep
@@ -94,7 +97,7 @@ struct Tables {  // bound.BoundTables, read-only views
 // bound._Needs: each document's least need over layouts at time T.
 class Needs {
  public:
-  explicit Needs(const Tables& tb) : tb_(tb), x_(tb.n * tb.k), u_(tb.n * tb.k), kind_(tb.k), room_(tb.k) {
+  explicit Needs(const Tables& tb) : tb_(tb), x_(tb.n * tb.k), u_(tb.n * tb.k), kind_(tb.k), room_(tb.k), shared_(tb.k), shared_ok_(tb.k) {
     for (int64_t j = 0; j < tb.k; ++j) {
       const bool th1 = tb.theta[j] >= 1;
       kind_[j] = th1 ? 0 : (tb.q[j] == 0 ? 1 : 2);
@@ -112,6 +115,7 @@ class Needs {
     const Tables& tb = tb_;
     out.resize(tb.n);
     for (int64_t j = 0; j < tb.k; ++j) room_[j] = T - tb.sync[j];
+    std::fill(shared_ok_.begin(), shared_ok_.end(), false);
     for (int64_t i = 0; i < tb.n; ++i) {
       double m = kInf;
       bool first = true;
@@ -120,7 +124,17 @@ class Needs {
         const double room = room_[j];
         double cap;
         if (kind_[j] == 2) {
-          cap = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
+          // psi enters only through u = max(c0fb, psi): documents whose floor is c0fb
+          // (most of them) share one capacity per probe
+          if (u_[e] == tb.c0fb[j] && !std::isnan(u_[e])) {
+            if (!shared_ok_[j]) {
+              shared_[j] = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
+              shared_ok_[j] = true;
+            }
+            cap = shared_[j];
+          } else {
+            cap = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
+          }
         } else {
           cap = room - tb.q[j] * (u_[e] - tb.c0[j]);
           if (kind_[j] == 1) cap -= tb.c0[j];
@@ -140,7 +154,8 @@ class Needs {
   std::vector<double> x_, u_;
   std::vector<int> kind_;
   bool any_cols0_ = false;
-  std::vector<double> room_;
+  std::vector<double> room_, shared_;
+  std::vector<char> shared_ok_;
 };
 
 // bound._bisect
@@ -227,7 +242,18 @@ class Solver {
     cap -= pairwise_sum(forced_st_);
     if (cap < 0) return false;
     double rest = pairwise_sum(rest_);
+    const double limit = n_dev_ - tb.size[j] + 1e-9;
     if (cap > 0 && !cand_.empty()) {
+      // what filling can save is at most every candidate's need and at most the best
+      // ratio times the spare time: when even that leaves too much (by far more than any
+      // rounding of the sums below), the answer is no, without sorting
+      double most = 0.0, total = 0.0;
+      for (const Cand& c : cand_) {
+        most = std::max(most, c.ratio);
+        total += c.need;
+      }
+      const double bound = std::min(total, most * cap);
+      if (rest - bound > limit + 1e-9 * (std::abs(rest) + bound + std::abs(limit) + 1.0)) return false;
       // fill its spare time with the documents that save the most devices elsewhere
       std::stable_sort(cand_.begin(), cand_.end(), [](const Cand& a, const Cand& b) { return -a.ratio < -b.ratio; });
       int64_t full = 0;
@@ -244,7 +270,7 @@ class Solver {
       if (full < static_cast<int64_t>(cand_.size())) saved += cand_[full].need * (cap - used) / cand_[full].st;
       rest -= saved;
     }
-    return rest <= n_dev_ - tb.size[j] + 1e-9;
+    return rest <= limit;
   }
 
   struct Cand {
@@ -285,7 +311,56 @@ double bound_solve(const Arr& x0, const Arr& x1, const Arr& psi, const Arr& alon
   return s.solve(refine);
 }
 
+// bound_tables for one layout: per document, the least over the recompute levels that
+// hold it (level r holds document i when r >= rs_min[i]) of its additive work (x0), that
+// plus the memory-forced constants (x1), its backward (b_min) and pp times its
+// micro-batch time alone (a_min). levels: [10, L] rows a, b, c, keep, a_b, b_b, c_b, c0,
+// then the kv exchange's cp_att, cp_comm, cp_layers, cp_recompute as [4, L] in `cp`.
+py::tuple bound_layout_tables(const Arr& lengths, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& rs_min,
+                              const Arr& levels, const Arr& cp, int64_t pp, double attn_bwd_factor) {
+  const int64_t n = lengths.size();
+  if (levels.ndim() != 2 || levels.shape(0) != 8 || cp.ndim() != 2 || cp.shape(0) != 4 || cp.shape(1) != levels.shape(1))
+    throw py::value_error("levels must be [8, L] and cp [4, L]");
+  if (rs_min.size() != n) throw py::value_error("rs_min must have one level per document");
+  const int64_t L = levels.shape(1);
+  Arr x0(n), x1(n), b_min(n), a_min(n);
+  const double *s = lengths.data(), *lv = levels.data(), *cpv = cp.data();
+  const int64_t* rmin = rs_min.data();
+  double *o0 = x0.mutable_data(), *o1 = x1.mutable_data(), *ob = b_min.mutable_data(), *oa = a_min.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    auto row = [&](int k, int64_t r) { return lv[k * L + r]; };
+    for (int64_t i = 0; i < n; ++i) {
+      double v0 = kInf, v1 = kInf, vb = kInf, va = kInf;
+      const double x = s[i], s2 = x * x;
+      for (int64_t r = std::max<int64_t>(rmin[i], 0); r < L; ++r) {
+        const double a = row(0, r), b = row(1, r), c = row(2, r);
+        const double cost = a * x * x + b * x + c;
+        v0 = nmin(v0, cost);
+        v1 = nmin(v1, cost + row(3, r) * x);
+        vb = nmin(vb, row(4, r) * x * x + row(5, r) * x + row(6, r));
+        double ex = 0.0;  // StageCoeffs.excess
+        const double comm_c = cpv[1 * L + r];
+        if (comm_c != 0.0) {
+          const double att = cpv[0 * L + r] * s2, com = comm_c * x;
+          const double ex_f = nmax(0.0, com - att), ex_b = nmax(0.0, 2.0 * com - attn_bwd_factor * att);
+          ex = (cpv[2 * L + r] + cpv[3 * L + r]) * ex_f + cpv[2 * L + r] * ex_b;
+        }
+        const double mb = row(7, r) + a * s2 + b * x + c * 1 + ex;
+        va = nmin(va, static_cast<double>(pp) * mb);
+      }
+      o0[i] = v0;
+      o1[i] = v1;
+      ob[i] = vb;
+      oa[i] = va;
+    }
+  }
+  return py::make_tuple(x0, x1, b_min, a_min);
+}
+
 void register_bound(py::module_& m) {
+  m.def("bound_layout_tables", &bound_layout_tables, py::arg("lengths"), py::arg("rs_min"), py::arg("levels"),
+        py::arg("cp"), py::arg("pp"), py::arg("attn_bwd_factor"));
   m.def("bound_solve", &bound_solve, py::arg("x0"), py::arg("x1"), py::arg("psi"), py::arg("alone"), py::arg("sync"),
         py::arg("size"), py::arg("q"), py::arg("c0"), py::arg("c0fb"), py::arg("cv"), py::arg("gamma"),
         py::arg("theta"), py::arg("n_dev"), py::arg("longest"), py::arg("refine"));
