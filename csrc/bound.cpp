@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -97,36 +99,57 @@ struct Tables {  // bound.BoundTables, read-only views
 // bound._Needs: each document's least need over layouts at time T.
 class Needs {
  public:
-  explicit Needs(const Tables& tb) : tb_(tb), x_(tb.n * tb.k), u_(tb.n * tb.k), kind_(tb.k), room_(tb.k), shared_(tb.k), shared_ok_(tb.k) {
+  // Documents of one length have equal rows in every table: each distinct row is priced
+  // once per probe (rows are compared, not assumed equal).
+  Needs(const Tables& tb, const int64_t* lengths) : tb_(tb), grp_(tb.n), kind_(tb.k), room_(tb.k), shared_(tb.k), shared_ok_(tb.k) {
     for (int64_t j = 0; j < tb.k; ++j) {
       const bool th1 = tb.theta[j] >= 1;
       kind_[j] = th1 ? 0 : (tb.q[j] == 0 ? 1 : 2);
       any_cols0_ = any_cols0_ || kind_[j] == 2;
     }
-    for (int64_t i = 0; i < tb.n; ++i)
+    std::unordered_map<int64_t, int64_t> group_of;
+    const size_t row = sizeof(double) * tb.k;
+    for (int64_t i = 0; i < tb.n; ++i) {
+      auto it = group_of.find(lengths[i]);
+      if (it != group_of.end()) {
+        const int64_t r = rep_[it->second] * tb.k, e = i * tb.k;
+        if (!std::memcmp(tb.x0 + r, tb.x0 + e, row) && !std::memcmp(tb.x1 + r, tb.x1 + e, row) &&
+            !std::memcmp(tb.psi + r, tb.psi + e, row) && !std::memcmp(tb.alone + r, tb.alone + e, row)) {
+          grp_[i] = it->second;
+          continue;
+        }
+      }
+      grp_[i] = static_cast<int64_t>(rep_.size());
+      if (it == group_of.end()) group_of.emplace(lengths[i], grp_[i]);
+      rep_.push_back(i);
+    }
+    const int64_t G = static_cast<int64_t>(rep_.size());
+    x_.resize(G * tb.k);
+    u_.resize(G * tb.k);
+    gbest_.resize(G);
+    for (int64_t g = 0; g < G; ++g)
       for (int64_t j = 0; j < tb.k; ++j) {
-        const int64_t e = i * tb.k + j;
-        x_[e] = tb.theta[j] >= 1 ? tb.x1[e] : tb.x0[e];
-        u_[e] = nmax(tb.c0fb[j], tb.psi[e]);
+        const int64_t e = rep_[g] * tb.k + j;
+        x_[g * tb.k + j] = tb.theta[j] >= 1 ? tb.x1[e] : tb.x0[e];
+        u_[g * tb.k + j] = nmax(tb.c0fb[j], tb.psi[e]);
       }
   }
 
   void best(double T, std::vector<double>& out) {
     const Tables& tb = tb_;
-    out.resize(tb.n);
     for (int64_t j = 0; j < tb.k; ++j) room_[j] = T - tb.sync[j];
     std::fill(shared_ok_.begin(), shared_ok_.end(), false);
-    for (int64_t i = 0; i < tb.n; ++i) {
+    for (size_t g = 0; g < rep_.size(); ++g) {
       double m = kInf;
       bool first = true;
       for (int64_t j = 0; j < tb.k; ++j) {
-        const int64_t e = i * tb.k + j;
+        const int64_t e = rep_[g] * tb.k + j, ge = static_cast<int64_t>(g) * tb.k + j;
         const double room = room_[j];
         double cap;
         if (kind_[j] == 2) {
           // psi enters only through u = max(c0fb, psi): documents whose floor is c0fb
           // (most of them) share one capacity per probe
-          if (u_[e] == tb.c0fb[j] && !std::isnan(u_[e])) {
+          if (u_[ge] == tb.c0fb[j] && !std::isnan(u_[ge])) {
             if (!shared_ok_[j]) {
               shared_[j] = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
               shared_ok_[j] = true;
@@ -136,22 +159,32 @@ class Needs {
             cap = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
           }
         } else {
-          cap = room - tb.q[j] * (u_[e] - tb.c0[j]);
+          cap = room - tb.q[j] * (u_[ge] - tb.c0[j]);
           if (kind_[j] == 1) cap -= tb.c0[j];
           if (!any_cols0_) cap = cap + kEps * std::abs(cap);
         }
-        const bool ok = std::isfinite(x_[e]) && tb.alone[e] <= T && cap > 0 && room > 0;
-        const double v = ok ? tb.size[j] * x_[e] / cap : kInf;
+        const bool ok = std::isfinite(x_[ge]) && tb.alone[e] <= T && cap > 0 && room > 0;
+        const double v = ok ? tb.size[j] * x_[ge] / cap : kInf;
         m = first ? v : nmin(m, v);
         first = false;
       }
-      out[i] = m;
+      gbest_[g] = m;
     }
+    out.resize(tb.n);
+    for (int64_t i = 0; i < tb.n; ++i) out[i] = gbest_[grp_[i]];
   }
+
+ public:
+  int64_t groups() const { return static_cast<int64_t>(rep_.size()); }
+  int64_t rep(int64_t g) const { return rep_[g]; }
+  int64_t group(int64_t i) const { return grp_[i]; }
+  double best_of(int64_t g) const { return gbest_[g]; }  // of the last probe
+  double x(int64_t g, int64_t j) const { return x_[g * tb_.k + j]; }
 
  private:
   const Tables& tb_;
-  std::vector<double> x_, u_;
+  std::vector<int64_t> rep_, grp_;  // a row per group; each document's group
+  std::vector<double> x_, u_, gbest_;  // per group
   std::vector<int> kind_;
   bool any_cols0_ = false;
   std::vector<double> room_, shared_;
@@ -181,7 +214,8 @@ double bisect(F feasible, double lo, double rel = 1e-6) {
 
 class Solver {
  public:
-  Solver(const Tables& tb, double n_dev, int64_t kk) : tb_(tb), needs_(tb), n_dev_(n_dev), kk_(kk) {}
+  Solver(const Tables& tb, const int64_t* lengths, double n_dev, int64_t kk)
+      : tb_(tb), needs_(tb, lengths), n_dev_(n_dev), kk_(kk) {}
 
   double solve(bool refine) {
     const Tables& tb = tb_;
@@ -198,11 +232,23 @@ class Solver {
       if (std::isfinite(at(tb.alone, kk_, j))) order.push_back(j);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return at(tb.alone, kk_, a) < at(tb.alone, kk_, b); });
+    members_.assign(needs_.groups(), 0);
+    for (int64_t i = 0; i < tb.n; ++i)
+      if (i != kk_) ++members_[needs_.group(i)];
     auto any_special = [&](double T) {
       needs_.best(T, need_);
-      others_.clear();
-      for (int64_t i = 0; i < tb.n; ++i)
-        if (i != kk_) others_.push_back(need_[i]);
+      // the same for every layout: the others that need more than any device (forced onto
+      // the longest document's replica) and the sum of the rest's needs
+      forced_.clear();
+      rest_.clear();
+      for (int64_t i = 0; i < tb.n; ++i) {
+        if (i == kk_) continue;
+        if (std::isfinite(need_[i]))
+          rest_.push_back(need_[i]);
+        else
+          forced_.push_back(i);
+      }
+      rest_sum_ = pairwise_sum(rest_);
       for (int64_t j : order)
         if (at(tb.alone, kk_, j) <= T && special_ok(j, T)) return true;
       return false;
@@ -212,6 +258,10 @@ class Solver {
 
  private:
   double at(const double* a, int64_t i, int64_t j) const { return a[i * tb_.k + j]; }
+
+  bool eligible(int64_t i, int64_t j, double T, const double* xs) const {
+    return at(tb_.alone, i, j) <= T && std::isfinite(at(xs, i, j));
+  }
 
   // bound._solve.special_ok: feasible at T with the longest document on a replica of layout j
   bool special_ok(int64_t j, double T) {
@@ -223,53 +273,49 @@ class Solver {
                  at(xs, kk_, j);
     if (cap < 0) return false;
     forced_st_.clear();
-    rest_.clear();
-    cand_.clear();
-    int64_t o = 0;  // index among the others
-    for (int64_t i = 0; i < tb.n; ++i) {
-      if (i == kk_) continue;
-      const double st = at(xs, i, j);
-      const double need = others_[o++];
-      const bool elig = at(tb.alone, i, j) <= T && std::isfinite(st);
-      if (!std::isfinite(need)) {
-        if (!elig) return false;
-        forced_st_.push_back(st);
-      } else {
-        rest_.push_back(need);
-        if (elig && st > 0) cand_.push_back({need / st, st, need});
-      }
+    for (int64_t i : forced_) {
+      if (!eligible(i, j, T, xs)) return false;
+      forced_st_.push_back(at(xs, i, j));
     }
     cap -= pairwise_sum(forced_st_);
     if (cap < 0) return false;
-    double rest = pairwise_sum(rest_);
+    double rest = rest_sum_;
     const double limit = n_dev_ - tb.size[j] + 1e-9;
-    if (cap > 0 && !cand_.empty()) {
-      // what filling can save is at most every candidate's need and at most the best
-      // ratio times the spare time: when even that leaves too much (by far more than any
-      // rounding of the sums below), the answer is no, without sorting
-      double most = 0.0, total = 0.0;
-      for (const Cand& c : cand_) {
-        most = std::max(most, c.ratio);
-        total += c.need;
-      }
-      const double bound = std::min(total, most * cap);
-      if (rest - bound > limit + 1e-9 * (std::abs(rest) + bound + std::abs(limit) + 1.0)) return false;
-      // fill its spare time with the documents that save the most devices elsewhere
-      std::stable_sort(cand_.begin(), cand_.end(), [](const Cand& a, const Cand& b) { return -a.ratio < -b.ratio; });
-      int64_t full = 0;
-      double cs = 0.0, used = 0.0;
-      for (const Cand& c : cand_) {  // searchsorted(cumsum, cap, "right")
-        cs += c.st;
-        if (cs > cap) break;
-        used = cs;
-        ++full;
-      }
-      picked_.clear();
-      for (int64_t i = 0; i < full; ++i) picked_.push_back(cand_[i].need);
-      double saved = pairwise_sum(picked_);
-      if (full < static_cast<int64_t>(cand_.size())) saved += cand_[full].need * (cap - used) / cand_[full].st;
-      rest -= saved;
+    if (cap <= 0) return rest <= limit;
+    // the best ratio (devices saved per unit of this replica's time) over the candidates,
+    // one per group of equal documents
+    double most = -1.0;
+    for (int64_t g = 0; g < needs_.groups(); ++g) {
+      const double need = needs_.best_of(g), st = needs_.x(g, j);
+      if (members_[g] == 0 || !std::isfinite(need) || !eligible(needs_.rep(g), j, T, xs) || !(st > 0)) continue;
+      most = std::max(most, need / st);
     }
+    if (most < 0) return rest <= limit;  // no candidate
+    // filling saves at most all of the rest and at most the best ratio times the spare
+    // time: when even that leaves too much (by far more than any rounding of the sums
+    // below), the answer is no, without sorting
+    const double bound = std::min(rest, most * cap);
+    if (rest - bound > limit + 1e-9 * (std::abs(rest) + bound + std::abs(limit) + 1.0)) return false;
+    // fill its spare time with the documents that save the most devices elsewhere
+    cand_.clear();
+    for (int64_t i = 0; i < tb.n; ++i) {
+      const double need = need_[i], st = at(xs, i, j);
+      if (i != kk_ && std::isfinite(need) && eligible(i, j, T, xs) && st > 0) cand_.push_back({need / st, st, need});
+    }
+    std::stable_sort(cand_.begin(), cand_.end(), [](const Cand& a, const Cand& b) { return -a.ratio < -b.ratio; });
+    int64_t full = 0;
+    double cs = 0.0, used = 0.0;
+    for (const Cand& c : cand_) {  // searchsorted(cumsum, cap, "right")
+      cs += c.st;
+      if (cs > cap) break;
+      used = cs;
+      ++full;
+    }
+    picked_.clear();
+    for (int64_t i = 0; i < full; ++i) picked_.push_back(cand_[i].need);
+    double saved = pairwise_sum(picked_);
+    if (full < static_cast<int64_t>(cand_.size())) saved += cand_[full].need * (cap - used) / cand_[full].st;
+    rest -= saved;
     return rest <= limit;
   }
 
@@ -280,7 +326,9 @@ class Solver {
   Needs needs_;
   double n_dev_;
   int64_t kk_;
-  std::vector<double> need_, others_, forced_st_, rest_, picked_;
+  std::vector<double> need_, forced_st_, rest_, picked_;
+  std::vector<int64_t> forced_, members_;  // members_: per group, documents other than the longest
+  double rest_sum_ = 0.0;
   std::vector<Cand> cand_;
 };
 
@@ -298,17 +346,64 @@ const double* vec(const Arr& a, int64_t k, const char* name) {
 
 double bound_solve(const Arr& x0, const Arr& x1, const Arr& psi, const Arr& alone, const Arr& sync, const Arr& size,
                    const Arr& q, const Arr& c0, const Arr& c0fb, const Arr& cv, const Arr& gamma, const Arr& theta,
-                   int64_t n_dev, int64_t longest, bool refine) {
+                   int64_t n_dev, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& lengths,
+                   bool refine) {
   if (x0.ndim() != 2) throw py::value_error("x0 must be [n, k]");
   const int64_t n = x0.shape(0), k = x0.shape(1);
   if (n == 0 || k == 0) throw py::value_error("the bound needs documents and layouts");
-  if (longest < 0 || longest >= n) throw py::value_error("longest must index a document");
+  if (lengths.size() != n) throw py::value_error("lengths must have one value per document");
+  const int64_t* len = lengths.data();
+  const int64_t longest = std::max_element(len, len + n) - len;  // np.argmax: the first of the longest
   Tables tb{n, k, matrix(x0, n, k, "x0"), matrix(x1, n, k, "x1"), matrix(psi, n, k, "psi"), matrix(alone, n, k, "alone"),
             vec(sync, k, "sync"), vec(size, k, "size"), vec(q, k, "q"), vec(c0, k, "c0"), vec(c0fb, k, "c0fb"),
             vec(cv, k, "cv"), vec(gamma, k, "gamma"), vec(theta, k, "theta")};
   py::gil_scoped_release nogil;
-  Solver s(tb, static_cast<double>(n_dev), longest);
+  Solver s(tb, len, static_cast<double>(n_dev), longest);
   return s.solve(refine);
+}
+
+// lower_bound's choice of the micro-batch count argument per pipelined layout, at the
+// unrefined all-memory bound t1: theta 0 (count free, floor (2)) where it charges the
+// batch more, else 1.
+py::array_t<double> bound_theta(const Arr& x0, const Arr& x1, const Arr& psi, const Arr& alone, const Arr& sync,
+                                const Arr& q, const Arr& c0, const Arr& c0fb, const Arr& cv, const Arr& gamma, double t1) {
+  if (x0.ndim() != 2) throw py::value_error("x0 must be [n, k]");
+  const int64_t n = x0.shape(0), k = x0.shape(1);
+  const double *X0 = matrix(x0, n, k, "x0"), *X1 = matrix(x1, n, k, "x1"), *P = matrix(psi, n, k, "psi"),
+               *A = matrix(alone, n, k, "alone");
+  const double *sy = vec(sync, k, "sync"), *qq = vec(q, k, "q"), *cc = vec(c0, k, "c0"), *cf = vec(c0fb, k, "c0fb"),
+               *cvv = vec(cv, k, "cv"), *gg = vec(gamma, k, "gamma");
+  py::array_t<double> theta(k);
+  double* th = theta.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    std::vector<double> r0, r1;
+    for (int64_t j = 0; j < k; ++j) {
+      th[j] = 1.0;
+      const double room = t1 - sy[j];
+      if (qq[j] == 0 || room <= 0) continue;
+      r0.clear();
+      r1.clear();
+      bool none_free = false, none_memory = false;
+      // psi enters only through max(c0fb, psi): documents on the c0fb floor share capacities
+      const double floor0 = capacity(room, cf[j], qq[j], cc[j], cf[j], cvv[j], gg[j], 0.0);
+      const double floor1 = capacity(room, cf[j], qq[j], cc[j], cf[j], cvv[j], gg[j], 1.0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t e = i * k + j;
+        if (!(std::isfinite(X0[e]) && A[e] <= t1)) continue;
+        const bool on_floor = nmax(cf[j], P[e]) == cf[j];
+        const double cap0 = on_floor ? floor0 : capacity(room, P[e], qq[j], cc[j], cf[j], cvv[j], gg[j], 0.0);
+        const double cap1 = on_floor ? floor1 : capacity(room, P[e], qq[j], cc[j], cf[j], cvv[j], gg[j], 1.0);
+        none_free = none_free || cap0 <= 0;
+        none_memory = none_memory || cap1 <= 0;
+        r0.push_back(X0[e] / cap0);
+        r1.push_back(X1[e] / cap1);
+      }
+      if (r0.empty() || none_free) continue;
+      if (none_memory || pairwise_sum(r0) > pairwise_sum(r1)) th[j] = 0.0;
+    }
+  }
+  return theta;
 }
 
 // bound_tables for one layout: per document, the least over the recompute levels that
@@ -359,9 +454,11 @@ py::tuple bound_layout_tables(const Arr& lengths, const py::array_t<int64_t, py:
 }
 
 void register_bound(py::module_& m) {
+  m.def("bound_theta", &bound_theta, py::arg("x0"), py::arg("x1"), py::arg("psi"), py::arg("alone"), py::arg("sync"),
+        py::arg("q"), py::arg("c0"), py::arg("c0fb"), py::arg("cv"), py::arg("gamma"), py::arg("t1"));
   m.def("bound_layout_tables", &bound_layout_tables, py::arg("lengths"), py::arg("rs_min"), py::arg("levels"),
         py::arg("cp"), py::arg("pp"), py::arg("attn_bwd_factor"));
   m.def("bound_solve", &bound_solve, py::arg("x0"), py::arg("x1"), py::arg("psi"), py::arg("alone"), py::arg("sync"),
         py::arg("size"), py::arg("q"), py::arg("c0"), py::arg("c0fb"), py::arg("cv"), py::arg("gamma"),
-        py::arg("theta"), py::arg("n_dev"), py::arg("longest"), py::arg("refine"));
+        py::arg("theta"), py::arg("n_dev"), py::arg("lengths"), py::arg("refine"));
 }

@@ -343,7 +343,7 @@ def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool
         f = np.ascontiguousarray
         return float(kernel(f(tb.x0, float), f(tb.x1, float), f(tb.psi, float), f(tb.alone, float),
                             *(f(v, float) for v in (tb.sync, tb.size, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma, theta)),
-                            int(n_dev), int(np.argmax(np.asarray(lengths))), bool(refine)))
+                            int(n_dev), np.asarray(lengths, dtype=np.int64), bool(refine)))
     return _solve_py(tb, n_dev, lengths, theta, refine)
 
 
@@ -403,6 +403,26 @@ def _solve_py(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: b
     return max(t0, _bisect(any_special, t0))
 
 
+def _theta_py(tb: BoundTables, t1: float) -> np.ndarray:
+    """Per layout, the micro-batch count argument that charges the batch more at t1 (the
+    kernel `bound_theta` does the same)."""
+    theta = np.ones(len(tb.layouts))
+    for j in range(len(tb.layouts)):
+        room = t1 - tb.sync[j]
+        if tb.q[j] == 0 or room <= 0:
+            continue
+        fin = np.isfinite(tb.x0[:, j]) & (tb.alone[:, j] <= t1)
+        if not fin.any():
+            continue
+        args = (room, tb.psi[fin, j], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j])
+        cap0, cap1 = capacity(*args, 0.0), capacity(*args, 1.0)
+        if np.any(cap0 <= 0):
+            continue
+        if np.any(cap1 <= 0) or float((tb.x0[fin, j] / cap0).sum()) > float((tb.x1[fin, j] / cap1).sum()):
+            theta[j] = 0.0
+    return theta
+
+
 def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
                 tables: BoundTables | None = None, refine: bool = True, pipeline: bool = True,
                 impl: str = "auto") -> float:
@@ -412,7 +432,7 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
     that replica's devices run every other document they take at L's cost, not at each
     document's best one. pipeline: charge pipelines their provable bubble (False: only
     the memory-forced micro-batch constants and (pp-1) of them for fill and drain, the
-    weaker bound kept for comparison). impl: "auto" (the C++ search where built) or
+    weaker bound kept for comparison). impl: "auto" (the C++ kernels where built) or
     "python" (the reference), equal bit for bit.
     """
     if len(lengths) == 0:
@@ -433,17 +453,11 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
     # bound (at the unrefined all-memory one); fixed before the search so that
     # feasibility stays monotone in T
     t1 = _solve(tb, n_dev, lengths, theta, False, impl)
-    for j in range(k):
-        room = t1 - tb.sync[j]
-        if tb.q[j] == 0 or room <= 0:
-            continue
-        fin = np.isfinite(tb.x0[:, j]) & (tb.alone[:, j] <= t1)
-        if not fin.any():
-            continue
-        args = (room, tb.psi[fin, j], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j])
-        cap0, cap1 = capacity(*args, 0.0), capacity(*args, 1.0)
-        if np.any(cap0 <= 0):
-            continue
-        if np.any(cap1 <= 0) or float((tb.x0[fin, j] / cap0).sum()) > float((tb.x1[fin, j] / cap1).sum()):
-            theta[j] = 0.0
+    kernels = _kernels() if impl == "auto" else None
+    if kernels is not None and hasattr(kernels, "bound_theta"):
+        f = np.ascontiguousarray
+        theta = kernels.bound_theta(f(tb.x0, float), f(tb.x1, float), f(tb.psi, float), f(tb.alone, float),
+                                    *(f(v, float) for v in (tb.sync, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma)), float(t1))
+    else:
+        theta = _theta_py(tb, t1)
     return max(t1, _solve(tb, n_dev, lengths, theta, refine, impl))
