@@ -264,6 +264,7 @@ def test_mock_data_trains_on_both_paths(path, tmp_path):
     if path == "dcp":
         assert re.search(r"dcp: static layout tp=2 pp=1 cp=1 is in the candidate pool \(\d+ candidates?, "
                          r"--dcp-candidates 16\)", r.stdout), r.stdout[-2000:]
+        assert len(re.findall(r"^> dcp: adaptive planner built in \d+\.\d s$", r.stdout, re.M)) == 1, r.stdout[-2000:]
         tokens = [int(t) for t in re.findall(r"\| tokens: (\d+) \|", r.stdout)]
         assert tokens and all(8 * 128 - 128 < t <= 8 * 128 for t in tokens), tokens  # gbs x seq by default
         sizes = [int(n) for n in re.findall(r"global batch size:\s+(\d+)", r.stdout)]

@@ -226,6 +226,7 @@ def build_planner(args, train_ds, cluster=None):
     from dcp_ext.planning.specs import ModelSpec
 
     sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
+    started = time.perf_counter()
     try:
         planner = make_planner(
             args.dcp_planner,
@@ -247,6 +248,7 @@ def build_planner(args, train_ds, cluster=None):
                             f"a pack of --dcp-max-seq-len {args.dcp_max_seq_len} tokens on {cluster_for(args.world_size, args).name}: "
                             "raise --tensor-model-parallel-size / --pipeline-model-parallel-size / "
                             "--context-parallel-size or lower --dcp-max-seq-len") from None
+    print_rank_0(f"> dcp: {args.dcp_planner} planner built in {time.perf_counter() - started:.1f} s")
     print_rank_0(static_layout_line(args, planner))
     return planner
 
