@@ -61,6 +61,15 @@ from dcp_ext.planning.planners.common import (
 )
 
 
+def _stage1_kernel():
+    """The C++ stage 1 (csrc/stage1.cpp) unless DCP_ASSIGN_IMPL=python asks for the
+    reference; None where the kernels are not built."""
+    from dcp_ext.planning.bound import _kernels
+
+    k = _kernels()
+    return getattr(k, "stage1", None) if k is not None else None
+
+
 def _switch(value, name: str, choices: tuple[str, ...]) -> str:
     """A feature option as one of `choices`: True/False read as "on"/"off"."""
     v = {True: "on", False: "off", None: "off"}.get(value, value) if isinstance(value, (bool, type(None))) else value
@@ -501,12 +510,48 @@ class AdaptivePlanner(PlannerBase):
     def _full_plan(self, prep: BatchPrep, counts: LayoutMix, order, bounds: list[int]) -> list[PackedReplica]:
         placement = self.placements[counts]
         R = len(placement)
+        sync = [prep.sync(lay, R) for lay, _ in placement]
+        j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [len(order) - 1] * prep.n
+        kernel = _stage1_kernel()
+        if kernel is not None and prep.n:
+            docs = self._stage1_cpp(kernel, prep, counts, placement, sync, order, j_of_pos)
+        else:
+            docs = self._stage1(prep, counts, placement, sync, order, j_of_pos)
+        # stage 2: pack, choose recompute, price exactly
+        out = []
+        for k, (lay, ranks) in enumerate(placement):
+            orig = [prep.order_list[p] for p in docs[k]]
+            mbs = pack_replica(self.cm, self.pool_tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
+            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
+        return out
+
+    def _stage1_cpp(self, kernel, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
+                    j_of_pos) -> list[list[int]]:
+        """`_stage1` by the C++ kernel (csrc/stage1.cpp), equal to it."""
+        types = list(dict.fromkeys(lay for lay, _ in placement))
+        tob = [prep.types[lay] for lay in types]
+        index = {lay: t for t, lay in enumerate(types)}
+        costs = np.stack([t.cost for t in tob])
+        in_order = np.array([index[lay] for lay, _, _ in order], dtype=np.int64)
+        held = np.isfinite(costs[in_order]).any(axis=0)
+        if not held.all():
+            p = int(np.argmin(held))
+            raise PlanningError(f"a sequence of {int(prep.ss[p])} tokens fits no replica of {describe(counts)}")
+        return kernel(costs, np.array([lay.pp for lay in types], dtype=np.int64), np.array([t.c0 for t in tob], dtype=float),
+                      np.array([t.tt.mb_full for t in tob], dtype=float),
+                      np.array([index[lay] for lay, _ in placement], dtype=np.int64), np.asarray(sync, dtype=float),
+                      in_order, np.asarray(j_of_pos, dtype=np.int64), int(self.move_targets),
+                      -1 if self.max_moves is None else int(self.max_moves))
+
+    def _stage1(self, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order, j_of_pos) -> list[list[int]]:
+        """Which replica runs each document (sorted positions per replica): the Python
+        reference of the kernel `_stage1_cpp` runs."""
+        R = len(placement)
         by_type: dict[Layout, list[int]] = {}
         for k, (lay, _) in enumerate(placement):
             by_type.setdefault(lay, []).append(k)
         docs: list[list[int]] = [[] for _ in range(R)]  # sorted positions per replica
         work = [0.0] * R
-        sync = [prep.sync(lay, R) for lay, _ in placement]
         tob = [prep.types[lay] for lay, _ in placement]
 
         # stage 1a: earliest finish, longest first. A document may go to the type whose
@@ -521,7 +566,6 @@ class AdaptivePlanner(PlannerBase):
         costs = [prep.types[lay].cost for lay, _, _ in order]
         big = [0.0] * R
         nt = len(order)
-        j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [nt - 1] * prep.n
         inf = math.inf
         for p in range(prep.n):
             jmax = j_of_pos[p]
@@ -557,13 +601,7 @@ class AdaptivePlanner(PlannerBase):
             heapq.heapreplace(heaps[best_j], (best_t, best_k))
         # stage 1b: move documents from the most to the least loaded replica
         rebalance(docs, work, tob, sync, self.move_targets, self.max_moves)
-        # stage 2: pack, choose recompute, price exactly
-        out = []
-        for k, (lay, ranks) in enumerate(placement):
-            orig = [prep.order_list[p] for p in docs[k]]
-            mbs = pack_replica(self.cm, self.pool_tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
-        return out
+        return docs
 
     def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float) -> list[PackedReplica] | None:
         """Stage 1 + 2 by dcp_ext.assign.plan_replicas. Its cost model has no per-replica

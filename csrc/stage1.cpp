@@ -1,0 +1,301 @@
+// Stage 1 of the adaptive planner in C++: which replica runs each document.
+// The earliest-finish pass of AdaptivePlanner._full_plan (longest document first), then
+// the moves and swaps of dcp_ext/planning/planners/rebalance.py, bit for bit.
+//
+// Why it exists: the planner runs every iteration on every rank beside the step; this
+// pass is a Python loop over every document and replica type, then a local search over
+// the replicas, the larger share of a full plan. The Python code stays the reference
+// (tests/test_stage1_kernel.py holds the two equal on real batches): every float
+// expression keeps its operation order, np.maximum/np.minimum keep NaN, ties go the way
+// Python's heapq, sorted() and np.argmin send them.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <queue>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a > b ? a : b); }
+inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a < b ? a : b); }
+
+struct Type {  // TypeOnBatch: what its finish estimate needs
+  int64_t pp;
+  double c0, mb_full;
+  const double* cost;  // [n] per sorted position, inf where it cannot hold
+
+  // TypeOnBatch.overhead (both of its branches: for work > 0 they agree, else 0)
+  double overhead(double work, double big) const {
+    if (pp == 1) return 0.0;
+    const double q = static_cast<double>(pp - 1);
+    const double over = nmin(2.0 * std::sqrt(q * c0 * nmax(work, 0.0)), q * mb_full);
+    return nmax(over, q * big);
+  }
+  double finish(double sync, double work, double big) const {
+    if (pp == 1) return sync + work;
+    return sync + work + overhead(work, big);
+  }
+};
+
+struct Stage1 {
+  std::vector<Type> types;
+  std::vector<int64_t> type_of;  // per replica
+  std::vector<double> sync;
+  int64_t n = 0;
+  std::vector<std::vector<int64_t>> docs;  // per replica, positions in the order received
+  std::vector<double> work, big, times;
+
+  int64_t R() const { return static_cast<int64_t>(type_of.size()); }
+  const Type& t(int64_t k) const { return types[type_of[k]]; }
+
+  // rebalance.largest_cost
+  double largest(int64_t k) const {
+    if (t(k).pp == 1 || docs[k].empty()) return 0.0;
+    double m = t(k).cost[docs[k][0]];
+    for (size_t i = 1; i < docs[k].size(); ++i) m = std::max(m, t(k).cost[docs[k][i]]);
+    return m;
+  }
+
+  void refresh(int64_t k) {
+    big[k] = largest(k);
+    times[k] = t(k).finish(sync[k], work[k], big[k]);
+  }
+
+  // replicas by estimated finish, earliest first (sorted() is stable: ties by index)
+  std::vector<int64_t> earliest(std::vector<int64_t> ks) const {
+    std::stable_sort(ks.begin(), ks.end(), [&](int64_t a, int64_t b) { return times[a] < times[b]; });
+    return ks;
+  }
+
+  // stage 1a: earliest finish, longest first; a document may go to the types of `order`
+  // up to the one whose length range holds it (j_of_pos), else to any type that can
+  void assign(const std::vector<int64_t>& order, const std::vector<int64_t>& j_of_pos) {
+    using Entry = std::pair<double, int64_t>;  // (finish, replica): heapq's tuple order
+    using Heap = std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>>;
+    const int64_t nt = static_cast<int64_t>(order.size());
+    std::vector<Heap> heaps(nt);
+    for (int64_t j = 0; j < nt; ++j)
+      for (int64_t k = 0; k < R(); ++k)
+        if (type_of[k] == order[j]) heaps[j].push({sync[k], k});
+    docs.assign(R(), {});
+    work.assign(R(), 0.0);
+    big.assign(R(), 0.0);
+    for (int64_t p = 0; p < n; ++p) {
+      int64_t jmax = std::min(j_of_pos[p], nt - 1);
+      int64_t best_k = -1, best_j = -1;
+      double best_t = kInf;
+      for (int64_t j = 0; j <= jmax; ++j) {
+        const Type& ty = types[order[j]];
+        const double c = ty.cost[p];
+        if (c == kInf || heaps[j].empty()) continue;
+        const auto [load, k] = heaps[j].top();
+        const double tt = ty.pp > 1 ? ty.finish(sync[k], work[k] + c, big[k] > c ? big[k] : c) : load + c;
+        if (tt < best_t) best_k = k, best_t = tt, best_j = j;
+      }
+      if (best_k < 0) {  // nothing up to its range holds it: any type that can
+        for (int64_t j = 0; j < nt; ++j) {
+          const Type& ty = types[order[j]];
+          const double c = ty.cost[p];
+          if (c == kInf || heaps[j].empty()) continue;
+          const int64_t k = heaps[j].top().second;
+          const double tt = ty.finish(sync[k], work[k] + c, c > big[k] ? c : big[k]);  // max(big, c)
+          if (tt < best_t) best_k = k, best_t = tt, best_j = j;
+        }
+      }
+      if (best_k < 0) throw std::runtime_error("a sequence fits no replica");  // the caller checks first
+      const Type& ty = types[order[best_j]];
+      const double c = ty.cost[p];
+      docs[best_k].push_back(p);
+      work[best_k] += c;
+      if (ty.pp > 1 && c > big[best_k]) big[best_k] = c;
+      heaps[best_j].pop();
+      heaps[best_j].push({best_t, best_k});
+    }
+  }
+
+  // stage 1b (rebalance.rebalance): single moves off the latest replica, then swaps
+  void rebalance(int64_t move_targets, int64_t max_moves) {
+    const int64_t R_ = R();
+    if (R_ < 2) return;
+    big.assign(R_, 0.0);
+    times.assign(R_, 0.0);
+    for (int64_t k = 0; k < R_; ++k) refresh(k);
+    std::vector<int64_t> all(R_);
+    for (int64_t k = 0; k < R_; ++k) all[k] = k;
+    const int64_t limit = max_moves >= 0 ? max_moves : 4 * R_ + 16;
+    int64_t swaps = 0;
+    std::vector<double> a;
+    for (int64_t it = 0; it < limit; ++it) {
+      int64_t hi = 0;  // latest; ties: the lowest index
+      for (int64_t k = 1; k < R_; ++k)
+        if (times[k] > times[hi]) hi = k;
+      const double t_hi = times[hi];
+      if (docs[hi].empty()) break;
+      const Type& th = t(hi);
+      const auto& dh = docs[hi];
+      const int64_t nh = static_cast<int64_t>(dh.size());
+      double top0 = -kInf, top1 = 0.0;  // the two largest costs on hi (np.sort, reversed)
+      if (th.pp > 1) {
+        std::vector<double> ch(nh);
+        for (int64_t i = 0; i < nh; ++i) ch[i] = th.cost[dh[i]];
+        std::sort(ch.begin(), ch.end(), std::greater<double>());
+        top0 = ch[0];
+        top1 = nh > 1 ? ch[1] : 0.0;
+      }
+      a.resize(nh);
+      for (int64_t i = 0; i < nh; ++i) {
+        const double c = th.cost[dh[i]];
+        const double big_after = th.pp > 1 ? (c >= top0 ? top1 : top0) : 0.0;
+        a[i] = th.finish(sync[hi], work[hi] - c, big_after);
+      }
+      bool found = false;
+      double best_m = 0.0;
+      int64_t best_i = -1, best_lo = -1;
+      const auto targets = earliest(all);
+      for (int64_t x = 0; x < std::min<int64_t>(move_targets, R_); ++x) {
+        const int64_t lo = targets[x];
+        if (lo == hi || t_hi - times[lo] <= 1e-9 * t_hi) continue;
+        const Type& tl = t(lo);
+        double mj = kInf;
+        int64_t j = -1;
+        for (int64_t i = 0; i < nh; ++i) {  // np.argmin: the first of the least
+          const double cn = tl.cost[dh[i]];
+          const double bl = tl.pp > 1 ? nmax(big[lo], cn) : 0.0;
+          double m = nmax(a[i], tl.finish(sync[lo], work[lo] + cn, bl));
+          if (!std::isfinite(cn)) m = kInf;
+          if (j < 0 || m < mj || (std::isnan(m) && !std::isnan(mj))) mj = m, j = i;
+          if (std::isnan(mj)) break;
+        }
+        if (mj < t_hi - 1e-12 && (!found || mj < best_m)) found = true, best_m = mj, best_i = j, best_lo = lo;
+      }
+      if (!found) {
+        double least = times[0];
+        for (int64_t k = 1; k < R_; ++k) least = std::min(least, times[k]);
+        if (t_hi - least <= 2e-3 * t_hi || swaps >= R_) break;
+        ++swaps;
+        if (!swap(hi, move_targets)) break;
+        continue;
+      }
+      const int64_t p = dh[best_i];
+      docs[hi].erase(docs[hi].begin() + best_i);
+      work[hi] -= th.cost[p];
+      docs[best_lo].push_back(p);
+      work[best_lo] += t(best_lo).cost[p];
+      refresh(hi);
+      refresh(best_lo);
+    }
+  }
+
+  // rebalance._swap: one document of the latest replica for a cheaper one of an earlier
+  // replica (of its layout, or of the move_targets earliest), if that lowers the later
+  bool swap(int64_t hi, int64_t move_targets) {
+    const int64_t R_ = R();
+    const double t_hi = times[hi];
+    std::vector<int64_t> same_type, all(R_);
+    for (int64_t k = 0; k < R_; ++k) {
+      all[k] = k;
+      if (type_of[k] == type_of[hi]) same_type.push_back(k);
+    }
+    std::vector<int64_t> cands;
+    for (const auto& group : {earliest(same_type), earliest(all)})
+      for (int64_t x = 0; x < std::min<int64_t>(move_targets, static_cast<int64_t>(group.size())); ++x)
+        if (std::find(cands.begin(), cands.end(), group[x]) == cands.end()) cands.push_back(group[x]);
+    // the sync as recovered from k's current time, as the reference does (the bits differ)
+    auto base_of = [&](int64_t k) {
+      double base = times[k] - work[k];
+      if (t(k).pp > 1) base = base - t(k).overhead(work[k], big[k]);
+      return base;
+    };
+    bool found = false;
+    double best_m = 0.0;
+    int64_t bi = -1, blo = -1, bj = -1;
+    const Type& th = t(hi);
+    for (int64_t lo : cands) {
+      if (lo == hi || times[lo] >= t_hi) continue;
+      const auto &dh = docs[hi], &dl = docs[lo];
+      if (dh.empty() || dl.empty()) continue;
+      const Type& tl = t(lo);
+      const double base_hi = base_of(hi), base_lo = base_of(lo);
+      double mm = kInf;
+      int64_t fi = -1, fj = -1;
+      for (size_t i = 0; i < dh.size(); ++i) {
+        const double hp = th.cost[dh[i]], lp = tl.cost[dh[i]];
+        for (size_t j = 0; j < dl.size(); ++j) {
+          const double hq = th.cost[dl[j]], lq = tl.cost[dl[j]];
+          const double w_hi = work[hi] - hp + hq, w_lo = work[lo] - lq + lp;
+          const double b_hi = th.pp > 1 ? nmax(big[hi], hq) : 0.0;
+          const double b_lo = tl.pp > 1 ? nmax(big[lo], lp) : 0.0;
+          double m = nmax(th.finish(base_hi, w_hi, b_hi), tl.finish(base_lo, w_lo, b_lo));
+          if (!(std::isfinite(m) && hq < hp)) m = kInf;
+          if (fi < 0 || m < mm) mm = m, fi = static_cast<int64_t>(i), fj = static_cast<int64_t>(j);
+        }
+      }
+      if (mm < t_hi - 1e-9 && (!found || mm < best_m)) found = true, best_m = mm, bi = fi, blo = lo, bj = fj;
+    }
+    if (!found) return false;
+    const int64_t p = docs[hi][bi], q = docs[blo][bj];
+    docs[hi][bi] = q;
+    docs[blo][bj] = p;
+    work[hi] += t(hi).cost[q] - t(hi).cost[p];
+    work[blo] += t(blo).cost[p] - t(blo).cost[q];
+    refresh(hi);
+    refresh(blo);
+    return true;
+  }
+};
+
+using Arr = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using IntArr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+}  // namespace
+
+// costs [T, n]: per type of the placement, its cost per sorted position; pp, c0, mb_full
+// per type; type_of and sync per replica; order: type indices in the estimate's order;
+// j_of_pos: per position, the last index into order allowed first. Returns each replica's
+// positions (stage 1a, then rebalance with move_targets and max_moves, -1 for none).
+py::list stage1(const Arr& costs, const IntArr& pp, const Arr& c0, const Arr& mb_full, const IntArr& type_of,
+                const Arr& sync, const IntArr& order, const IntArr& j_of_pos, int64_t move_targets, int64_t max_moves) {
+  if (costs.ndim() != 2) throw py::value_error("costs must be [types, n]");
+  const int64_t T = costs.shape(0), n = costs.shape(1);
+  if (pp.size() != T || c0.size() != T || mb_full.size() != T) throw py::value_error("one pp, c0, mb_full per type");
+  if (sync.size() != type_of.size()) throw py::value_error("one sync per replica");
+  if (j_of_pos.size() != n) throw py::value_error("one j_of_pos per document");
+  Stage1 s;
+  s.n = n;
+  for (int64_t t = 0; t < T; ++t) s.types.push_back({pp.data()[t], c0.data()[t], mb_full.data()[t], costs.data() + t * n});
+  for (py::ssize_t k = 0; k < type_of.size(); ++k) {
+    const int64_t t = type_of.data()[k];
+    if (t < 0 || t >= T) throw py::value_error("type_of out of range");
+    s.type_of.push_back(t);
+    s.sync.push_back(sync.data()[k]);
+  }
+  std::vector<int64_t> ord(order.data(), order.data() + order.size()), jp(j_of_pos.data(), j_of_pos.data() + n);
+  for (int64_t t : ord)
+    if (t < 0 || t >= T) throw py::value_error("order out of range");
+  {
+    py::gil_scoped_release nogil;
+    s.assign(ord, jp);
+    s.rebalance(move_targets, max_moves);
+  }
+  py::list out;
+  for (const auto& d : s.docs) out.append(py::cast(d));
+  return out;
+}
+
+void register_stage1(py::module_& m) {
+  m.def("stage1", &stage1, py::arg("costs"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("type_of"),
+        py::arg("sync"), py::arg("order"), py::arg("j_of_pos"), py::arg("move_targets"), py::arg("max_moves"));
+}
