@@ -15,7 +15,7 @@ from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 pytestmark = pytest.mark.skipif(_stage1_kernel() is None, reason="C++ kernels not built")
 
 CASES = [  # model, cluster, lengths file, max_seq_len, tokens per batch
-    ("llama2-7b", "h200x64", "code_python_cl100k.txt", 131072, 2**22),
+    ("llama2-7b", "h200x16", "code_python_cl100k.txt", 131072, 2**20),
     ("llama2-70b", "h200x64", "arxiv_summarization_total_llama2.txt", 65536, 2**21),
     ("llama2-13b", "h200x32", "mooncake_conversation_input_tokens.txt", 131072, 2**21),
     ("demo", "cpu-gloox4", "text_reuters21578_cl100k.txt", 2048, 8192),
