@@ -300,7 +300,16 @@ class CostModel(MemoryAccounting):
         sharding over all ranks) for one device of `layout`. Each device receives its
         stage's parameter slice; each device also sends its 1/N fixed shard to every
         replica (num_replicas), so the slower of the two directions counts. With
-        num_replicas=None only the receive side is counted (a lower bound)."""
+        num_replicas=None only the receive side is counted (a lower bound). Kept per
+        (layout, num_replicas, profile): the planner asks for it every replica of every plan."""
+        key = (Layout(*layout), num_replicas, id(self.profile))
+        cache = self.__dict__.setdefault("_prior_sync", {})
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = self._prior_sync_time(Layout(*layout), num_replicas)
+        return got
+
+    def _prior_sync_time(self, layout: Layout, num_replicas: int | None) -> float:
         m, cl = self.model, self.cluster
         n = cl.num_gpus
         if n == 1:
