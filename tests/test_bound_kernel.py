@@ -10,7 +10,7 @@ import pytest
 
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
-from dcp_ext.planning.bound import BoundTables, _kernel, _layout_constants, bound_tables, lower_bound
+from dcp_ext.planning.bound import BoundTables, _blank_tables, _kernel, _layout_constants, bound_tables, lower_bound
 from dcp_ext.planning.bound_v2 import RelaxedPrices, lower_bound_v2
 from dcp_ext.planning.cost_model import CostModel, Layout
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
@@ -86,15 +86,8 @@ def test_the_bound_moves_with_its_input():
 
 def _reference_tables(cm, lengths, layouts=None):
     """`bound_tables` one recompute level at a time (its first form), as the reference."""
-    layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
-    s = np.asarray(lengths, dtype=float)
-    n, k = len(s), len(layouts)
-    x0 = np.full((n, k), np.inf)
-    x1 = np.full((n, k), np.inf)
-    psi = np.full((n, k), -np.inf)
-    alone = np.full((n, k), np.inf)
-    sync = np.empty(k)
-    per = np.zeros((6, k))  # size, q, c0, c0fb, cv, gamma
+    layouts, s, x0, x1, psi, alone, sync, per = _blank_tables(cm, lengths, layouts)
+    n = len(s)
     for j, lay in enumerate(layouts):
         c0, c0fb, cv, gamma, rho, kappa, c0f, c0b = _layout_constants(cm, lay)
         sync[j] = cm.sync_time(lay, None)

@@ -179,6 +179,16 @@ def _tables_kernel():
     return (lambda s, rs_min, levels, cp, pp: f(s, rs_min, levels, cp, pp, ATTN_BWD_FACTOR)) if f else None
 
 
+def _blank_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None):
+    """(layouts, lengths as floats, x0, x1, psi, alone, sync, per) before any layout is
+    priced: per holds size, q, c0, c0fb, cv, gamma as rows."""
+    layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
+    s = np.asarray(lengths, dtype=float)
+    n, k = len(s), len(layouts)
+    inf = np.full((n, k), np.inf)
+    return layouts, s, inf, inf.copy(), np.full((n, k), -np.inf), inf.copy(), np.empty(k), np.zeros((6, k))
+
+
 def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
                  cache: dict | None = None, impl: str = "auto") -> BoundTables:
     """Per document and layout: its least additive stage work (with and without the
@@ -186,15 +196,8 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     longest document, and its time alone. `cache` (a dict the caller keeps while `cm`'s
     prices do not change) holds the per-layout terms across batches. impl: "auto" (the C++
     kernel where built) or "python" (numpy), equal bit for bit."""
-    layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
-    s = np.asarray(lengths, dtype=float)
-    n, k = len(s), len(layouts)
-    x0 = np.full((n, k), np.inf)
-    x1 = np.full((n, k), np.inf)
-    psi = np.full((n, k), -np.inf)
-    alone = np.full((n, k), np.inf)
-    sync = np.empty(k)
-    per = np.zeros((6, k))  # size, q, c0, c0fb, cv, gamma
+    layouts, s, x0, x1, psi, alone, sync, per = _blank_tables(cm, lengths, layouts)
+    n = len(s)
     one_layout = (_tables_kernel() if impl == "auto" else None) or _layout_tables_numpy
     for j, lay in enumerate(layouts):
         t = cache.get(lay) if cache is not None else None
