@@ -115,6 +115,7 @@ py::list baseline(const std::string& name, const LenArray& lengths, const py::se
 
 void register_bound(py::module_& m);   // bound.cpp: the lower bound's tables and search
 void register_stage1(py::module_& m);  // stage1.cpp: the adaptive planner's stage 1
+void register_mix_dp(py::module_& m);  // stage1.cpp: the candidate pool's dynamic program
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";
@@ -129,4 +130,5 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("baseline", &baseline, py::arg("name"), py::arg("lengths"), py::arg("params"), py::arg("seed"));
   register_bound(m);
   register_stage1(m);
+  register_mix_dp(m);
 }

@@ -299,3 +299,137 @@ void register_stage1(py::module_& m) {
   m.def("stage1", &stage1, py::arg("costs"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("type_of"),
         py::arg("sync"), py::arg("order"), py::arg("j_of_pos"), py::arg("move_targets"), py::arg("max_moves"));
 }
+
+// ---------------------------------------------------------------------------------------
+// The candidate pool's dynamic program (planners/candidates.py, best_mix_by_dynamic_program):
+// per time T, the fewest devices that finish the batch by T, types in order, each taking
+// a contiguous range of document bins; bisection on T; the replicas per type of the
+// smallest feasible T. Same arithmetic as the numpy reference.
+namespace {
+
+struct MixType {
+  double sync, c0, mb_full;
+  int64_t pp, size;
+  const double *cum, *alone, *first;  // [nb+1] prefix work at bin bounds; [nb] alone at a bin's start; [nb+1]
+  const uint8_t* start_ok;             // [nb] the bin's first document is one the type can hold
+};
+
+double pipeline_capacity(double room, int64_t pp, double c0, double mb_full) {
+  if (room <= 0) return 0.0;
+  if (pp == 1) return room;
+  const double k = static_cast<double>(pp - 1) * c0;
+  const double r = std::sqrt(k + room) - std::sqrt(k);
+  const double w_sqrt = r * r;
+  const double other = room - static_cast<double>(pp - 1) * mb_full;
+  return other > w_sqrt ? other : w_sqrt;  // max(w_sqrt, other)
+}
+
+struct MixDP {
+  std::vector<MixType> types;  // in the order the reference lists them
+  int64_t nb = 0, world = 0;
+  std::vector<std::vector<int64_t>> e_choice;
+  std::vector<std::vector<double>> q_choice;
+
+  double solve(double T) {
+    const int64_t nt = static_cast<int64_t>(types.size());
+    std::vector<double> f_next(nb + 1, kInf), f(nb + 1);
+    f_next[nb] = 0.0;
+    e_choice.assign(nt, std::vector<int64_t>(nb + 1));
+    q_choice.assign(nt, std::vector<double>(nb + 1, 0.0));
+    for (int64_t j = nt - 1; j >= 0; --j) {
+      const MixType& t = types[j];
+      const double w = pipeline_capacity(T - t.sync, t.pp, t.c0, t.mb_full);
+      auto& ec = e_choice[j];
+      auto& qc = q_choice[j];
+      if (w <= 0) {
+        for (int64_t s = 0; s <= nb; ++s) ec[s] = s;
+        continue;  // f_next unchanged
+      }
+      const double most = static_cast<double>(world / t.size);
+      for (int64_t s = 0; s <= nb; ++s) {
+        const bool ok_start = s < nb && t.start_ok[s] && t.alone[s] + t.sync <= T;
+        double best = kInf, best_q = 0.0;
+        int64_t best_e = 0;
+        bool any = false;
+        for (int64_t e = 0; e <= nb; ++e) {
+          double diff = t.cum[e] - t.cum[s];
+          if (t.pp > 1) diff = diff + static_cast<double>(t.pp - 1) * t.first[s];
+          double q = std::ceil(diff / w - 1e-12);
+          q = nmax(q, 1.0);
+          const bool valid = e > s && ok_start && q <= most;
+          const double gpus = valid ? q * static_cast<double>(t.size) + f_next[e] : kInf;
+          if (!any || gpus < best) best = gpus, best_e = e, best_q = q, any = true;  // np.argmin: first least
+        }
+        const bool use = best < f_next[s];
+        f[s] = use ? best : f_next[s];
+        ec[s] = use ? best_e : s;
+        qc[s] = use ? best_q : 0.0;
+      }
+      f_next.swap(f);
+    }
+    return f_next[0];
+  }
+};
+
+}  // namespace
+
+py::tuple mix_dynamic_program(const Arr& cum, const Arr& alone, const Arr& first,
+                              const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& start_ok,
+                              const Arr& sync, const IntArr& pp, const Arr& c0, const Arr& mb_full, const IntArr& size,
+                              int64_t world, double lo, double rel_tol) {
+  if (cum.ndim() != 2) throw py::value_error("cum must be [types, bins + 1]");
+  const int64_t nt = cum.shape(0), nb = cum.shape(1) - 1;
+  if (first.ndim() != 2 || first.shape(0) != nt || first.shape(1) != nb + 1 || alone.ndim() != 2 ||
+      alone.shape(0) != nt || alone.shape(1) != nb || start_ok.ndim() != 2 || start_ok.shape(0) != nt ||
+      start_ok.shape(1) != nb)
+    throw py::value_error("per-type tables of mismatched shapes");
+  if (sync.size() != nt || pp.size() != nt || c0.size() != nt || mb_full.size() != nt || size.size() != nt)
+    throw py::value_error("one sync, pp, c0, mb_full and size per type");
+  MixDP dp;
+  dp.nb = nb;
+  dp.world = world;
+  for (int64_t j = 0; j < nt; ++j)
+    dp.types.push_back({sync.data()[j], c0.data()[j], mb_full.data()[j], pp.data()[j], size.data()[j],
+                        cum.data() + j * (nb + 1), alone.data() + j * nb, first.data() + j * (nb + 1),
+                        start_ok.data() + j * nb});
+  std::vector<int64_t> counts(nt, 0);
+  double hi = std::max(lo, 1e-9);
+  bool feasible = false;
+  {
+    py::gil_scoped_release nogil;
+    for (int it = 0; it < 60; ++it) {
+      if (dp.solve(hi) <= static_cast<double>(world)) {
+        feasible = true;
+        break;
+      }
+      lo = hi;
+      hi = hi * 1.25;
+    }
+  }
+  if (!feasible) return py::make_tuple(py::none(), hi);  // diverged
+  {
+    py::gil_scoped_release nogil;
+    for (int it = 0; it < 40; ++it) {
+      if (hi - lo <= rel_tol * hi) break;
+      const double mid = 0.5 * (lo + hi);
+      if (dp.solve(mid) <= static_cast<double>(world))
+        hi = mid;
+      else
+        lo = mid;
+    }
+    dp.solve(hi);
+    int64_t i = 0;
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t q = static_cast<int64_t>(dp.q_choice[j][i]);
+      if (q > 0) counts[j] += q;
+      i = dp.e_choice[j][i];
+    }
+  }
+  return py::make_tuple(counts, hi);
+}
+
+void register_mix_dp(py::module_& m) {
+  m.def("mix_dynamic_program", &mix_dynamic_program, py::arg("cum"), py::arg("alone"), py::arg("first"),
+        py::arg("start_ok"), py::arg("sync"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("size"),
+        py::arg("world"), py::arg("lo"), py::arg("rel_tol"));
+}

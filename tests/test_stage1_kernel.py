@@ -48,3 +48,28 @@ def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, toke
     assert compared >= 2 and moved, (compared, moved)
     if model == "llama2-70b":
         assert pipelined  # pipelines' finish estimate (bubble, largest document) was exercised
+
+
+@pytest.mark.parametrize("model,cluster,data,max_seq_len,tokens", CASES)
+def test_cpp_mix_dynamic_program_equals_the_reference(model, cluster, data, max_seq_len, tokens, monkeypatch):
+    """The candidate pool's dynamic program (`best_mix_by_dynamic_program`): the same mix and
+    the same time, with and without the replica count's sync, on every type of the planner."""
+    from dcp_ext.planning.bound import lower_bound
+    from dcp_ext.planning.planners.candidates import best_mix_by_dynamic_program
+
+    lengths = np.minimum(np.asarray(read_lengths(data)), max_seq_len)
+    p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq_len,
+                     global_batch_tokens=tokens, length_sample=lengths, sample_count=2)
+    world = p.cluster.num_gpus
+    mixes = set()
+    for ids in global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=3):
+        prep = BatchPrep(p.cm, p.tables, lengths[ids])
+        lb = lower_bound(p.cm, lengths[ids].tolist(), layouts=list(p.tables))
+        for num_replicas in (None, 8):
+            monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+            ref = best_mix_by_dynamic_program(prep, list(p.tables), world, lb, num_replicas=num_replicas)
+            monkeypatch.delenv("DCP_ASSIGN_IMPL")
+            got = best_mix_by_dynamic_program(prep, list(p.tables), world, lb, num_replicas=num_replicas)
+            assert got == ref
+            mixes.add(ref[0])
+    assert mixes

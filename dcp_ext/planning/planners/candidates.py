@@ -102,6 +102,11 @@ def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], worl
     nb = len(B) - 1
     tri = np.triu(np.ones((nb + 1, nb + 1), dtype=bool), 1)
 
+    kernel = _mix_kernel()
+    if kernel is not None and prep.n:
+        counts = _mix_by_kernel(kernel, prep, order, B, world, lo, rel_tol, num_replicas)
+        return canonical(counts[0]), counts[1]
+
     def solve(T: float):
         f_next = np.full(nb + 1, np.inf)
         f_next[nb] = 0.0
@@ -164,6 +169,34 @@ def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], worl
             counts[lay] = counts.get(lay, 0) + q
         i = int(e_choice[i])
     return canonical(counts), hi
+
+
+def _mix_kernel():
+    """The dynamic program in C++ (csrc/stage1.cpp) unless DCP_ASSIGN_IMPL=python asks for
+    the reference below; None where the kernels are not built."""
+    from dcp_ext.planning.bound import _kernels
+
+    k = _kernels()
+    return getattr(k, "mix_dynamic_program", None) if k is not None else None
+
+
+def _mix_by_kernel(kernel, prep: BatchPrep, order: list[Layout], B: np.ndarray, world: int, lo: float, rel_tol: float,
+                   num_replicas: int | None) -> tuple[dict, float]:
+    """best_mix_by_dynamic_program's bisection and dynamic program by the kernel, from the
+    same per-type tables: (replicas per type, the time it reached)."""
+    types = [prep.types[l] for l in order]
+    start = np.minimum(B[:-1], prep.n - 1)
+    first = [t.cost[np.minimum(B, prep.n - 1)] for t in types]
+    counts, hi = kernel(np.stack([t.cum[B] for t in types]), np.stack([t.alone[start] for t in types]),
+                        np.stack([np.where(np.isfinite(f), f, BIG) for f in first]),
+                        np.stack([B[:-1] >= t.first_ok for t in types]).astype(np.uint8),
+                        np.array([prep.sync(l, num_replicas) for l in order], dtype=float),
+                        np.array([l.pp for l in order], dtype=np.int64), np.array([t.c0 for t in types], dtype=float),
+                        np.array([t.tt.mb_full for t in types], dtype=float),
+                        np.array([l.size for l in order], dtype=np.int64), int(world), float(lo), float(rel_tol))
+    if counts is None:
+        raise PlanningError("no layout found for a batch (the dynamic program diverged)")
+    return {l: int(q) for l, q in zip(order, counts) if q > 0}, float(hi)
 
 
 def fill_leftover(prep: BatchPrep, counts: LayoutMix, options: Sequence[Layout], world: int) -> LayoutMix:
