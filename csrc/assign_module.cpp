@@ -114,8 +114,8 @@ py::list baseline(const std::string& name, const LenArray& lengths, const py::se
 }  // namespace
 
 void register_bound(py::module_& m);   // bound.cpp: the lower bound's tables and search
-void register_stage1(py::module_& m);  // stage1.cpp: the adaptive planner's stage 1
-void register_mix_dp(py::module_& m);  // stage1.cpp: the candidate pool's dynamic program
+void register_stage1(py::module_& m);  // planner.cpp: the adaptive planner's stage 1
+void register_mix_dp(py::module_& m);  // planner.cpp: the candidate pool's dynamic program
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "C++ sequence-assignment kernels of dcp_ext.assign (use dcp_ext.assign, which validates input)";

@@ -62,7 +62,7 @@ from dcp_ext.planning.planners.common import (
 
 
 def _stage1_kernel():
-    """The C++ stage 1 (csrc/stage1.cpp) unless DCP_ASSIGN_IMPL=python asks for the
+    """The C++ stage 1 (csrc/planner.cpp) unless DCP_ASSIGN_IMPL=python asks for the
     reference; None where the kernels are not built."""
     from dcp_ext.planning.bound import _kernels
 
@@ -527,7 +527,7 @@ class AdaptivePlanner(PlannerBase):
 
     def _stage1_cpp(self, kernel, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
                     j_of_pos) -> list[list[int]]:
-        """`_stage1` by the C++ kernel (csrc/stage1.cpp), equal to it."""
+        """`_stage1` by the C++ kernel (csrc/planner.cpp), equal to it."""
         types = list(dict.fromkeys(lay for lay, _ in placement))
         tob = [prep.types[lay] for lay in types]
         index = {lay: t for t, lay in enumerate(types)}

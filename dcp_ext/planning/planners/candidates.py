@@ -172,7 +172,7 @@ def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], worl
 
 
 def _mix_kernel():
-    """The dynamic program in C++ (csrc/stage1.cpp) unless DCP_ASSIGN_IMPL=python asks for
+    """The dynamic program in C++ (csrc/planner.cpp) unless DCP_ASSIGN_IMPL=python asks for
     the reference below; None where the kernels are not built."""
     from dcp_ext.planning.bound import _kernels
 

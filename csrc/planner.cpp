@@ -1,13 +1,16 @@
-// Stage 1 of the adaptive planner in C++: which replica runs each document.
-// The earliest-finish pass of AdaptivePlanner._full_plan (longest document first), then
-// the moves and swaps of dcp_ext/planning/planners/rebalance.py, bit for bit.
+// The adaptive planner's hot loops in C++, each bit for bit its Python reference:
+//  - stage 1, which replica runs each document: the earliest-finish pass of
+//    AdaptivePlanner._stage1 (longest document first), then the moves and swaps of
+//    dcp_ext/planning/planners/rebalance.py;
+//  - stage 2's first-fit-decreasing packing (planners/common.py, without a memory check);
+//  - the candidate pool's dynamic program (planners/candidates.py).
 //
-// Why it exists: the planner runs every iteration on every rank beside the step; this
-// pass is a Python loop over every document and replica type, then a local search over
-// the replicas, the larger share of a full plan. The Python code stays the reference
-// (tests/test_stage1_kernel.py holds the two equal on real batches): every float
-// expression keeps its operation order, np.maximum/np.minimum keep NaN, ties go the way
-// Python's heapq, sorted() and np.argmin send them.
+// Why it exists: the planner runs every iteration on every rank beside the step, and
+// builds its pool at every start; these were Python loops over every document, replica
+// and type. The Python code stays the reference (tests/test_planner_kernels.py holds the
+// two equal on real batches): every float expression keeps its operation order,
+// np.maximum/np.minimum keep NaN, ties go the way Python's heapq, sorted() and np.argmin
+// send them.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -428,7 +431,39 @@ py::tuple mix_dynamic_program(const Arr& cum, const Arr& alone, const Arr& first
   return py::make_tuple(counts, hi);
 }
 
+// planners/common.first_fit_decreasing without a check: docs sorted by size, largest
+// first (ties keep their order), each into the first bin with room, else a new bin.
+py::list first_fit_decreasing(const IntArr& docs, const Arr& sizes, double cap) {
+  const int64_t n = docs.size();
+  if (sizes.size() != n) throw py::value_error("one size per document");
+  std::vector<std::vector<int64_t>> bins;
+  {
+    py::gil_scoped_release nogil;
+    const int64_t* d = docs.data();
+    const double* x = sizes.data();
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return -x[a] < -x[b]; });
+    std::vector<double> room;
+    for (int64_t i : order) {
+      size_t b = 0;
+      while (b < room.size() && !(x[i] <= room[b])) ++b;
+      if (b < room.size()) {
+        bins[b].push_back(d[i]);
+        room[b] = room[b] - x[i];
+      } else {
+        bins.push_back({d[i]});
+        room.push_back(cap - x[i]);
+      }
+    }
+  }
+  py::list out;
+  for (const auto& b : bins) out.append(py::cast(b));
+  return out;
+}
+
 void register_mix_dp(py::module_& m) {
+  m.def("first_fit_decreasing", &first_fit_decreasing, py::arg("docs"), py::arg("sizes"), py::arg("cap"));
   m.def("mix_dynamic_program", &mix_dynamic_program, py::arg("cum"), py::arg("alone"), py::arg("first"),
         py::arg("start_ok"), py::arg("sync"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("size"),
         py::arg("world"), py::arg("lo"), py::arg("rel_tol"));

@@ -1,4 +1,4 @@
-"""Stage 1 of the adaptive planner in C++ (csrc/stage1.cpp: earliest finish, moves, swaps)
+"""Stage 1 of the adaptive planner in C++ (csrc/planner.cpp: earliest finish, moves, swaps)
 hands every replica the same documents as its Python reference (`AdaptivePlanner._stage1`),
 for every candidate of the pool on real batches: GPU clusters with pipelines and CP, and
 the CPU demo's quadratic memory."""
@@ -73,3 +73,26 @@ def test_cpp_mix_dynamic_program_equals_the_reference(model, cluster, data, max_
             assert got == ref
             mixes.add(ref[0])
     assert mixes
+
+
+def test_cpp_first_fit_decreasing_equals_the_reference(monkeypatch):
+    """Same bins in the same order, ties in size kept in the documents' order, items larger
+    than the cap alone, integer and fractional sizes."""
+    from dcp_ext.planning.planners.common import first_fit_decreasing
+
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n = int(rng.integers(2, 300))
+        sizes = rng.integers(1, 5000, size=n + 10)
+        if trial % 2:
+            sizes = sizes / 7.0
+        else:
+            sizes = sizes.tolist()  # the planner passes its lengths as a list of ints
+        docs = rng.permutation(n + 10)[:n].tolist()
+        cap = float(rng.choice([4096, 8192.5, 1e9]))
+        monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+        ref = first_fit_decreasing(docs, sizes, cap)
+        monkeypatch.delenv("DCP_ASSIGN_IMPL")
+        got = first_fit_decreasing(docs, sizes, cap)
+        assert got == ref
+        assert sorted(d for b in got for d in b) == sorted(docs)
