@@ -6,7 +6,8 @@ of the job's; the issue asks for the build in <= 10 s at h200x64 and <= 60 s at 
 and per-iteration planning in milliseconds. Per setting it prints, for the C++ kernels and
 for the Python reference side by side (DCP_ASSIGN_IMPL=python), the build time, the
 median and max planning time per iteration, and the plans' mean predicted iteration time,
-which must agree. `--compare-planners` prints every planner's times instead; with
+which must agree. A lengths file too short for the batches is repeated in seeded shuffles.
+`--compare-planners` prints every planner's times instead; with
 `--profile FILE` (written by dcp-profile) it also fits the profile on part of its records
 and prints the mean absolute error on held-out lengths (goal: <= 15% on the CPU demo).
 
@@ -82,6 +83,18 @@ SETTINGS = [
 LARGE = [("code 256M", "llama2-7b", "h200x4096", os.path.join(DATA, "code_python_cl100k.txt"), 256 * 2**20, 131072)]
 
 
+def corpus(path: str, max_seq: int, tokens: int) -> np.ndarray:
+    """The file's lengths (capped), repeated in seeded shuffles until they hold `tokens`:
+    a 1024-GPU batch holds more documents than some whole files."""
+    base = np.minimum(np.loadtxt(path, dtype=np.int64), max_seq)
+    rng = np.random.default_rng(0)
+    parts, total = [base], int(base.sum())
+    while total < tokens:
+        parts.append(rng.permutation(base))
+        total += int(base.sum())
+    return np.concatenate(parts)
+
+
 def engine_times(setting, impl: str, iterations: int) -> dict:
     """Build the adaptive planner and plan `iterations` batches with the C++ kernels
     ("cpp") or the Python reference ("python")."""
@@ -89,7 +102,7 @@ def engine_times(setting, impl: str, iterations: int) -> dict:
     before = os.environ.get("DCP_ASSIGN_IMPL")
     os.environ["DCP_ASSIGN_IMPL"] = impl
     try:
-        lengths = np.minimum(np.loadtxt(path, dtype=np.int64), max_seq)
+        lengths = corpus(path, max_seq, tokens * iterations)
         batches = global_batches(lengths.tolist(), tokens, max_seq, count=iterations)
         t0 = time.perf_counter()
         p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq,

@@ -179,14 +179,15 @@ def _tables_kernel():
     return (lambda s, rs_min, levels, cp, pp: f(s, rs_min, levels, cp, pp, ATTN_BWD_FACTOR)) if f else None
 
 
-def _blank_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None):
+def _blank_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None, by_layout: bool = False):
     """(layouts, lengths as floats, x0, x1, psi, alone, sync, per) before any layout is
-    priced: per holds size, q, c0, c0fb, cv, gamma as rows."""
+    priced: the four tables [n, k] ([k, n] `by_layout`), per holds size, q, c0, c0fb, cv,
+    gamma as rows."""
     layouts = [Layout(*l) for l in (layouts if layouts is not None else cm.all_layouts())]
     s = np.asarray(lengths, dtype=float)
-    n, k = len(s), len(layouts)
-    inf = np.full((n, k), np.inf)
-    return layouts, s, inf, inf.copy(), np.full((n, k), -np.inf), inf.copy(), np.empty(k), np.zeros((6, k))
+    shape = (len(layouts), len(s)) if by_layout else (len(s), len(layouts))
+    inf = np.full(shape, np.inf)
+    return layouts, s, inf, inf.copy(), np.full(shape, -np.inf), inf.copy(), np.empty(len(layouts)), np.zeros((6, len(layouts)))
 
 
 def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout] | None = None,
@@ -195,8 +196,11 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
     memory-forced share of micro-batch constants), its bubble floor as its replica's
     longest document, and its time alone. `cache` (a dict the caller keeps while `cm`'s
     prices do not change) holds the per-layout terms across batches. impl: "auto" (the C++
-    kernel where built) or "python" (numpy), equal bit for bit."""
-    layouts, s, x0, x1, psi, alone, sync, per = _blank_tables(cm, lengths, layouts)
+    kernel where built) or "python" (numpy), equal bit for bit. Every row depends on the
+    document's length alone: each distinct length is priced once, a layout per row."""
+    s_all = np.asarray(lengths, dtype=float)
+    s, inv = np.unique(s_all, return_inverse=True)
+    layouts, s, x0, x1, psi, alone, sync, per = _blank_tables(cm, s, layouts, by_layout=True)
     n = len(s)
     one_layout = (_tables_kernel() if impl == "auto" else None) or _layout_tables_numpy
     for j, lay in enumerate(layouts):
@@ -214,12 +218,13 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
         rs_min = np.searchsorted(t.caps, s, side="left")  # first rs with cap >= s
         if int(rs_min.min()) >= len(t.caps):
             continue
-        x0[:, j], x1[:, j], b_min, a_min = one_layout(s, rs_min, t.levels, t.cp, lay.pp)
-        alone[:, j] = a_min + sync[j]
+        x0[j], x1[j], b_min, a_min = one_layout(s, rs_min, t.levels, t.cp, lay.pp)
+        alone[j] = a_min + sync[j]
         if lay.pp > 1 and rho >= 1.0 and math.isfinite(kappa):
             # (3): f_0 + (1 - 1/rho) * b_k - kappa/rho, b_k >= c0_b + the document's backward
             ok = np.isfinite(b_min)
-            psi[ok, j] = c0f + (1.0 - 1.0 / rho) * (c0b + b_min[ok]) - kappa / rho
+            psi[j, ok] = c0f + (1.0 - 1.0 / rho) * (c0b + b_min[ok]) - kappa / rho
+    x0, x1, psi, alone = (a.T[inv] for a in (x0, x1, psi, alone))  # [n, k], each document's row
     return BoundTables(x0, x1, psi, alone, sync, layouts, *per)
 
 
