@@ -101,7 +101,7 @@ class Needs {
  public:
   // Documents of one length have equal rows in every table: each distinct row is priced
   // once per probe (rows are compared, not assumed equal).
-  Needs(const Tables& tb, const int64_t* lengths) : tb_(tb), grp_(tb.n), kind_(tb.k), room_(tb.k), shared_(tb.k), shared_ok_(tb.k) {
+  Needs(const Tables& tb, const int64_t* lengths) : tb_(tb), grp_(tb.n), kind_(tb.k) {
     for (int64_t j = 0; j < tb.k; ++j) {
       const bool th1 = tb.theta[j] >= 1;
       kind_[j] = th1 ? 0 : (tb.q[j] == 0 ? 1 : 2);
@@ -123,52 +123,57 @@ class Needs {
       if (it == group_of.end()) group_of.emplace(lengths[i], grp_[i]);
       rep_.push_back(i);
     }
+    // per layout, its groups' values side by side (column-major): one pass per layout
     const int64_t G = static_cast<int64_t>(rep_.size());
+    G_ = G;
     x_.resize(G * tb.k);
     u_.resize(G * tb.k);
+    a_.resize(G * tb.k);
+    p_.resize(G * tb.k);
     gbest_.resize(G);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t j = 0; j < tb.k; ++j) {
-        const int64_t e = rep_[g] * tb.k + j;
-        x_[g * tb.k + j] = tb.theta[j] >= 1 ? tb.x1[e] : tb.x0[e];
-        u_[g * tb.k + j] = nmax(tb.c0fb[j], tb.psi[e]);
+        const int64_t e = rep_[g] * tb.k + j, c = j * G + g;
+        x_[c] = tb.theta[j] >= 1 ? tb.x1[e] : tb.x0[e];
+        u_[c] = nmax(tb.c0fb[j], tb.psi[e]);
+        a_[c] = tb.alone[e];
+        p_[c] = tb.psi[e];
       }
   }
 
+  // Each group's least need over layouts at T (no value here is NaN: x is finite where
+  // used and cap > 0, so plain minima match np.min).
   void best(double T, std::vector<double>& out) {
     const Tables& tb = tb_;
-    for (int64_t j = 0; j < tb.k; ++j) room_[j] = T - tb.sync[j];
-    std::fill(shared_ok_.begin(), shared_ok_.end(), false);
-    for (size_t g = 0; g < rep_.size(); ++g) {
-      double m = kInf;
-      bool first = true;
-      for (int64_t j = 0; j < tb.k; ++j) {
-        const int64_t e = rep_[g] * tb.k + j, ge = static_cast<int64_t>(g) * tb.k + j;
-        const double room = room_[j];
-        double cap;
-        if (kind_[j] == 2) {
-          // psi enters only through u = max(c0fb, psi): documents whose floor is c0fb
-          // (most of them) share one capacity per probe
-          if (u_[ge] == tb.c0fb[j] && !std::isnan(u_[ge])) {
-            if (!shared_ok_[j]) {
-              shared_[j] = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
-              shared_ok_[j] = true;
-            }
-            cap = shared_[j];
-          } else {
-            cap = capacity(room, tb.psi[e], tb.q[j], tb.c0[j], tb.c0fb[j], tb.cv[j], tb.gamma[j], 0.0);
-          }
-        } else {
-          cap = room - tb.q[j] * (u_[ge] - tb.c0[j]);
-          if (kind_[j] == 1) cap -= tb.c0[j];
-          if (!any_cols0_) cap = cap + kEps * std::abs(cap);
+    const int64_t G = G_;
+    std::fill(gbest_.begin(), gbest_.end(), kInf);
+    for (int64_t j = 0; j < tb.k; ++j) {
+      const double room = T - tb.sync[j];
+      if (!(room > 0)) continue;  // no document fits this layout at T
+      const double *x = &x_[j * G], *u = &u_[j * G], *al = &a_[j * G], *ps = &p_[j * G];
+      const double q = tb.q[j], c0 = tb.c0[j], size = tb.size[j], c0fb = tb.c0fb[j];
+      if (kind_[j] == 2) {
+        // psi enters capacity only through u = max(c0fb, psi): documents on the c0fb
+        // floor (most of them) share one capacity per probe
+        const double shared = capacity(room, c0fb, q, c0, c0fb, tb.cv[j], tb.gamma[j], 0.0);
+        for (int64_t g = 0; g < G; ++g) {
+          if (!(std::isfinite(x[g]) && al[g] <= T)) continue;
+          const double cap = u[g] == c0fb ? shared : capacity(room, ps[g], q, c0, c0fb, tb.cv[j], tb.gamma[j], 0.0);
+          if (!(cap > 0)) continue;
+          const double v = size * x[g] / cap;
+          if (v < gbest_[g]) gbest_[g] = v;
         }
-        const bool ok = std::isfinite(x_[ge]) && tb.alone[e] <= T && cap > 0 && room > 0;
-        const double v = ok ? tb.size[j] * x_[ge] / cap : kInf;
-        m = first ? v : nmin(m, v);
-        first = false;
+      } else {
+        const bool pp1_free = kind_[j] == 1, eps = !any_cols0_;
+        for (int64_t g = 0; g < G; ++g) {
+          double cap = room - q * (u[g] - c0);
+          if (pp1_free) cap -= c0;
+          if (eps) cap = cap + kEps * std::abs(cap);
+          const bool ok = std::isfinite(x[g]) && al[g] <= T && cap > 0;
+          const double v = ok ? size * x[g] / cap : kInf;
+          if (v < gbest_[g]) gbest_[g] = v;
+        }
       }
-      gbest_[g] = m;
     }
     out.resize(tb.n);
     for (int64_t i = 0; i < tb.n; ++i) out[i] = gbest_[grp_[i]];
@@ -179,16 +184,16 @@ class Needs {
   int64_t rep(int64_t g) const { return rep_[g]; }
   int64_t group(int64_t i) const { return grp_[i]; }
   double best_of(int64_t g) const { return gbest_[g]; }  // of the last probe
-  double x(int64_t g, int64_t j) const { return x_[g * tb_.k + j]; }
+  double x(int64_t g, int64_t j) const { return x_[j * G_ + g]; }
 
  private:
   const Tables& tb_;
   std::vector<int64_t> rep_, grp_;  // a row per group; each document's group
-  std::vector<double> x_, u_, gbest_;  // per group
+  int64_t G_ = 0;
+  std::vector<double> x_, u_, a_, p_;  // [layout][group]: x (by theta), max(c0fb, psi), alone, psi
+  std::vector<double> gbest_;          // per group, of the last probe
   std::vector<int> kind_;
   bool any_cols0_ = false;
-  std::vector<double> room_, shared_;
-  std::vector<char> shared_ok_;
 };
 
 // bound._bisect

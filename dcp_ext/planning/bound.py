@@ -224,7 +224,7 @@ def bound_tables(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout
             # (3): f_0 + (1 - 1/rho) * b_k - kappa/rho, b_k >= c0_b + the document's backward
             ok = np.isfinite(b_min)
             psi[j, ok] = c0f + (1.0 - 1.0 / rho) * (c0b + b_min[ok]) - kappa / rho
-    x0, x1, psi, alone = (a.T[inv] for a in (x0, x1, psi, alone))  # [n, k], each document's row
+    x0, x1, psi, alone = (np.ascontiguousarray(a.T)[inv] for a in (x0, x1, psi, alone))  # [n, k], each document's row
     return BoundTables(x0, x1, psi, alone, sync, layouts, *per)
 
 
