@@ -68,3 +68,50 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(text_corpus, tmp_path)
     lines = _worker_lines(stderr)  # torchrun's own failure report (its log lines) set aside
     assert "Traceback" not in "\n".join(lines), "\n".join(lines)[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted (SIGINT, Ctrl-C)"), lines
+
+
+def test_a_swallowed_ctrl_c_still_stops_the_loop_before_its_next_iteration():
+    """SIGINT raises KeyboardInterrupt at once; where some code swallows it, the loop raises
+    it again before the next iteration instead of training on."""
+    from types import SimpleNamespace
+
+    from megatron.training import loop
+
+    ran = []
+
+    class Steps:
+        has_validation = False
+
+        def run(self, iteration):
+            ran.append(iteration)
+            if iteration == 1:
+                try:  # Ctrl-C arrives inside code that swallows it
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1)
+                except KeyboardInterrupt:
+                    pass
+            return loop.Outcome(1.0, True)
+
+        def log(self, *a): pass
+        def evaluate(self, *a): pass
+        def save(self, *a): pass
+        def close(self): pass
+
+    class Features:
+        def begin_iteration(self, i): pass
+        def end_iteration(self, i): pass
+        def should_exit(self, i): return False
+        def finish(self): pass
+
+    args = SimpleNamespace(train_iters=10, max_nan_iterations=5, eval_iters=0, save=None, save_interval=None,
+                           exit_interval=None)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        loop.remember_sigint()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_training(args, Steps(), 0, Features())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        loop._sigint_seen = False
+    assert ran == [0, 1]
