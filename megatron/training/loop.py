@@ -7,8 +7,6 @@ object with its own five operations.
 """
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,33 +35,10 @@ class Steps(Protocol):
     def close(self) -> None: ...
 
 
-# ------------------------------------------------------------------ Ctrl-C
-_sigint_seen = False
-
-
-def _on_sigint(signum, frame) -> None:
-    global _sigint_seen
-    _sigint_seen = True
-    raise KeyboardInterrupt
-
-
-def remember_sigint() -> None:
-    """SIGINT raises KeyboardInterrupt where the main thread is, as Python's own handler
-    does, and is remembered: the loop raises it again before the next iteration. Code
-    that swallows the first one (CI saw a run still training 120 s after Ctrl-C, its main
-    thread inside torch's backward) then delays the stop by one iteration, not forever."""
-    global _sigint_seen
-    _sigint_seen = False  # a run called again in one process starts uninterrupted
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
-
-
 def run_training(args, steps: Steps, iteration: int, features) -> list[tuple[int, float]]:
     """Iterations from `iteration` to --train-iters (or an exit); returns (iteration, loss)."""
     start_iteration, nan_streak, history = iteration, 0, []
     while iteration < args.train_iters:
-        if _sigint_seen:
-            raise KeyboardInterrupt  # the first was lost on its way up
         file_guard.check()  # a data file changed under the job: one line now, not a SIGBUS later
         features.begin_iteration(iteration)
         start = time.perf_counter()

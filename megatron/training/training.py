@@ -223,9 +223,6 @@ def pretrain(
     from megatron.training import checkpoint_lock
 
     checkpoint_lock.say_why_on_sigterm()  # a rank stopped by torchrun says so in one line
-    from megatron.training.loop import remember_sigint
-
-    remember_sigint()  # Ctrl-C stops the run even where the first KeyboardInterrupt is swallowed
     try:
         logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                            document_datasets_provider)
