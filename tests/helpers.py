@@ -64,10 +64,10 @@ def start_ranks(nproc: int, flags: list[str], out, err=subprocess.STDOUT, *, max
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={max_restarts}", entry]
     return subprocess.Popen(cmd + flags, cwd=REPO, env=rank_env(env), stdout=out, stderr=err, text=True,
-                            start_new_session=True, preexec_fn=_sigint_as_a_terminal_gives_it)
+                            start_new_session=True, preexec_fn=sigint_as_a_terminal_gives_it)
 
 
-def _sigint_as_a_terminal_gives_it() -> None:
+def sigint_as_a_terminal_gives_it() -> None:
     """A suite started from a non-interactive shell's background job (`cmd &`) inherits
     SIGINT ignored, and Python then keeps ignoring it: the Ctrl-C tests would signal a run
     that cannot hear them. The job gets SIGINT's default back, as in a terminal."""

@@ -392,14 +392,15 @@ def test_a_real_ctrl_c_reaches_preprocess_and_its_workers(tmp_path):
     import signal
     import time
 
-    from tests.helpers import kill_tree, rank_env
+    from tests.helpers import kill_tree, rank_env, sigint_as_a_terminal_gives_it
 
     src, out = tmp_path / "big.jsonl", tmp_path / "out"
     src.write_text((json.dumps({"text": "y" * 4000}) + "\n") * 8000)  # seconds of tokenizing
     cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(src), "--output-prefix",
            str(out / "x"), "--tokenizer-type", "ByteLevelTokenizer", "--workers", "2", "--no-progress"]
     with open(tmp_path / "stdout", "w+") as so, open(tmp_path / "stderr", "w+") as se:
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=rank_env(), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=rank_env(), start_new_session=True,
+                                preexec_fn=sigint_as_a_terminal_gives_it)
         try:
             while proc.poll() is None and not (out.is_dir() and any(n.endswith(".bin") for n in os.listdir(out))):
                 time.sleep(0.05)  # the staging file: the workers are starting on the lines
