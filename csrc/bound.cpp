@@ -25,16 +25,16 @@
 #include <unordered_map>
 #include <vector>
 
+#include "numpy_float.hpp"
+
 namespace py = pybind11;
+using dcp_np::kInf;
+using dcp_np::nmax;
+using dcp_np::nmin;
 
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kEps = 1e-9;  // bound._EPS
-
-inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a > b ? a : b); }
-inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a < b ? a : b); }
 
 // numpy's float64 add.reduce of a contiguous array: 0.0 + pairwise sum, 8-way unrolled
 // blocks of at most 128.

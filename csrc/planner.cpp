@@ -25,15 +25,14 @@
 #include <utility>
 #include <vector>
 
+#include "numpy_float.hpp"
+
 namespace py = pybind11;
+using dcp_np::kInf;
+using dcp_np::nmax;
+using dcp_np::nmin;
 
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a > b ? a : b); }
-inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : (a < b ? a : b); }
 
 struct Type {  // TypeOnBatch: what its finish estimate needs
   int64_t pp;

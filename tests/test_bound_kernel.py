@@ -10,12 +10,13 @@ import pytest
 
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
-from dcp_ext.planning.bound import BoundTables, _blank_tables, _kernel, _layout_constants, bound_tables, lower_bound
+from dcp_ext.assign.backend import kernel
+from dcp_ext.planning.bound import BoundTables, _blank_tables, _layout_constants, bound_tables, lower_bound
 from dcp_ext.planning.bound_v2 import RelaxedPrices, lower_bound_v2
 from dcp_ext.planning.cost_model import CostModel, Layout
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
-needs_kernel = pytest.mark.skipif(_kernel() is None, reason="C++ kernels not built")
+needs_kernel = pytest.mark.skipif(kernel("bound_solve") is None, reason="C++ kernels not built")
 
 CASES = [  # model, cluster, lengths file, max_seq_len, tokens per batch
     ("llama2-7b", "h200x16", "code_python_cl100k.txt", 32768, 2**19),

@@ -8,11 +8,11 @@ import pytest
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
 from dcp_ext.planning.planner import make_planner
-from dcp_ext.planning.planners.adaptive import _stage1_kernel
+from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
-pytestmark = pytest.mark.skipif(_stage1_kernel() is None, reason="C++ kernels not built")
+pytestmark = pytest.mark.skipif(kernel("stage1") is None, reason="C++ kernels not built")
 
 CASES = [  # model, cluster, lengths file, max_seq_len, tokens per batch
     ("llama2-7b", "h200x16", "code_python_cl100k.txt", 131072, 2**20),
@@ -27,7 +27,7 @@ def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, toke
     lengths = np.minimum(np.asarray(read_lengths(data)), max_seq_len)
     p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq_len,
                      global_batch_tokens=tokens, length_sample=lengths, sample_count=4)
-    kernel = _stage1_kernel()
+    stage1 = kernel("stage1")
     compared = moved = pipelined = 0
     for ids in global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=7):
         prep = BatchPrep(p.cm, p.pool_tables, lengths[ids])
@@ -40,7 +40,7 @@ def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, toke
             j_of_pos = (np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds
                         else [len(order) - 1] * prep.n)
             ref = p._stage1(prep, counts, placement, sync, order, j_of_pos)
-            got = p._stage1_cpp(kernel, prep, counts, placement, sync, order, j_of_pos)
+            got = p._stage1_cpp(stage1, prep, counts, placement, sync, order, j_of_pos)
             assert got == ref, counts
             compared += 1
             moved += any(d != sorted(d) for d in ref)  # rebalance moved or swapped a document

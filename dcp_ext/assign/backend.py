@@ -88,3 +88,12 @@ def get(impl: str | None):
 
 def cpp_available() -> bool:
     return _CPP is not None
+
+
+def kernel(name: str):
+    """One function of the C++ extension by name (the planner's and the bound's kernels,
+    csrc/planner.cpp and csrc/bound.cpp), or None where it is not built or
+    DCP_ASSIGN_IMPL=python asks for the Python references."""
+    if _CPP is None or os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
+        return None
+    return getattr(_CPP, name, None)

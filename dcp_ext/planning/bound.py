@@ -44,12 +44,12 @@ monotone in T.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout
 
@@ -174,8 +174,7 @@ def _layout_tables_numpy(s: np.ndarray, rs_min: np.ndarray, levels: np.ndarray, 
 def _tables_kernel():
     from dcp_ext.planning.cost_model import ATTN_BWD_FACTOR
 
-    k = _kernels()
-    f = getattr(k, "bound_layout_tables", None) if k is not None else None
+    f = kernel("bound_layout_tables")
     return (lambda s, rs_min, levels, cp, pp: f(s, rs_min, levels, cp, pp, ATTN_BWD_FACTOR)) if f else None
 
 
@@ -325,33 +324,19 @@ def _bisect(feasible, lo: float, hi: float | None = None, rel: float = 1e-6) -> 
     return lo
 
 
-def _kernels():
-    """The C++ kernels (csrc/bound.cpp) unless DCP_ASSIGN_IMPL=python asks for the
-    reference; None where they are not built."""
-    if os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
-        return None
-    try:
-        from dcp_ext.assign import _kernels  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _kernels
-
-
-def _kernel():
-    k = _kernels()
-    return getattr(k, "bound_solve", None) if k is not None else None
+def _contiguous(*arrays) -> list[np.ndarray]:
+    """float64, C order: what the kernels read."""
+    return [np.ascontiguousarray(a, dtype=float) for a in arrays]
 
 
 def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool, impl: str = "auto") -> float:
     """The least time T at which the relaxation holds (see the module docstring), by
     bisection; `impl` "auto" runs the C++ kernel where built, "python" the reference below
     (the two are equal bit for bit: tests/test_bound_kernel.py)."""
-    kernel = _kernel() if impl == "auto" else None
-    if kernel is not None and len(lengths) > 0:
-        f = np.ascontiguousarray
-        return float(kernel(f(tb.x0, float), f(tb.x1, float), f(tb.psi, float), f(tb.alone, float),
-                            *(f(v, float) for v in (tb.sync, tb.size, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma, theta)),
-                            int(n_dev), np.asarray(lengths, dtype=np.int64), bool(refine)))
+    solve = kernel("bound_solve") if impl == "auto" else None
+    if solve is not None and len(lengths) > 0:
+        return float(solve(*_contiguous(tb.x0, tb.x1, tb.psi, tb.alone, tb.sync, tb.size, tb.q, tb.c0, tb.c0fb, tb.cv,
+                                        tb.gamma, theta), int(n_dev), np.asarray(lengths, dtype=np.int64), bool(refine)))
     return _solve_py(tb, n_dev, lengths, theta, refine)
 
 
@@ -461,11 +446,10 @@ def lower_bound(cm: CostModel, lengths: Sequence[int], layouts: Sequence[Layout]
     # bound (at the unrefined all-memory one); fixed before the search so that
     # feasibility stays monotone in T
     t1 = _solve(tb, n_dev, lengths, theta, False, impl)
-    kernels = _kernels() if impl == "auto" else None
-    if kernels is not None and hasattr(kernels, "bound_theta"):
-        f = np.ascontiguousarray
-        theta = kernels.bound_theta(f(tb.x0, float), f(tb.x1, float), f(tb.psi, float), f(tb.alone, float),
-                                    *(f(v, float) for v in (tb.sync, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma)), float(t1))
+    choose = kernel("bound_theta") if impl == "auto" else None
+    if choose is not None:
+        theta = choose(*_contiguous(tb.x0, tb.x1, tb.psi, tb.alone, tb.sync, tb.q, tb.c0, tb.c0fb, tb.cv, tb.gamma),
+                       float(t1))
     else:
         theta = _theta_py(tb, t1)
     return max(t1, _solve(tb, n_dev, lengths, theta, refine, impl))

@@ -132,6 +132,7 @@ class CostModel(MemoryAccounting):
         self.memory_margin = memory_margin
         self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
         self._prior: dict[tuple[Layout, int], StageCoeffs] = {}
+        self._prior_sync: dict[tuple, float] = {}  # prior_sync_time per (layout, num_replicas, profile)
         self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
         self.buffer_params = 0.0  # see charge_shared_buffers
         self.buffer_by_layout: dict = {}
@@ -303,10 +304,9 @@ class CostModel(MemoryAccounting):
         num_replicas=None only the receive side is counted (a lower bound). Kept per
         (layout, num_replicas, profile): the planner asks for it every replica of every plan."""
         key = (Layout(*layout), num_replicas, id(self.profile))
-        cache = self.__dict__.setdefault("_prior_sync", {})
-        got = cache.get(key)
+        got = self._prior_sync.get(key)
         if got is None:
-            got = cache[key] = self._prior_sync_time(Layout(*layout), num_replicas)
+            got = self._prior_sync[key] = self._prior_sync_time(Layout(*layout), num_replicas)
         return got
 
     def _prior_sync_time(self, layout: Layout, num_replicas: int | None) -> float:

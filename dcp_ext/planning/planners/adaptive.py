@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
@@ -59,15 +60,6 @@ from dcp_ext.planning.planners.common import (
     sample_batches,
     to_iteration_plan,
 )
-
-
-def _stage1_kernel():
-    """The C++ stage 1 (csrc/planner.cpp) unless DCP_ASSIGN_IMPL=python asks for the
-    reference; None where the kernels are not built."""
-    from dcp_ext.planning.bound import _kernels
-
-    k = _kernels()
-    return getattr(k, "stage1", None) if k is not None else None
 
 
 def _switch(value, name: str, choices: tuple[str, ...]) -> str:
@@ -512,9 +504,9 @@ class AdaptivePlanner(PlannerBase):
         R = len(placement)
         sync = [prep.sync(lay, R) for lay, _ in placement]
         j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [len(order) - 1] * prep.n
-        kernel = _stage1_kernel()
-        if kernel is not None and prep.n:
-            docs = self._stage1_cpp(kernel, prep, counts, placement, sync, order, j_of_pos)
+        stage1 = kernel("stage1")
+        if stage1 is not None and prep.n:
+            docs = self._stage1_cpp(stage1, prep, counts, placement, sync, order, j_of_pos)
         else:
             docs = self._stage1(prep, counts, placement, sync, order, j_of_pos)
         # stage 2: pack, choose recompute, price exactly
@@ -525,7 +517,7 @@ class AdaptivePlanner(PlannerBase):
             out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
         return out
 
-    def _stage1_cpp(self, kernel, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
+    def _stage1_cpp(self, stage1, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
                     j_of_pos) -> list[list[int]]:
         """`_stage1` by the C++ kernel (csrc/planner.cpp), equal to it."""
         types = list(dict.fromkeys(lay for lay, _ in placement))
@@ -537,7 +529,7 @@ class AdaptivePlanner(PlannerBase):
         if not held.all():
             p = int(np.argmin(held))
             raise PlanningError(f"a sequence of {int(prep.ss[p])} tokens fits no replica of {describe(counts)}")
-        return kernel(costs, np.array([lay.pp for lay in types], dtype=np.int64), np.array([t.c0 for t in tob], dtype=float),
+        return stage1(costs, np.array([lay.pp for lay in types], dtype=np.int64), np.array([t.c0 for t in tob], dtype=float),
                       np.array([t.tt.mb_full for t in tob], dtype=float),
                       np.array([index[lay] for lay, _ in placement], dtype=np.int64), np.asarray(sync, dtype=float),
                       in_order, np.asarray(j_of_pos, dtype=np.int64), int(self.move_targets),

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.planners.batch_prep import BatchPrep, TypeOnBatch, screen, type_order
@@ -102,9 +103,9 @@ def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], worl
     nb = len(B) - 1
     tri = np.triu(np.ones((nb + 1, nb + 1), dtype=bool), 1)
 
-    kernel = _mix_kernel()
-    if kernel is not None and prep.n:
-        counts = _mix_by_kernel(kernel, prep, order, B, world, lo, rel_tol, num_replicas)
+    dp = kernel("mix_dynamic_program")
+    if dp is not None and prep.n:
+        counts = _mix_by_kernel(dp, prep, order, B, world, lo, rel_tol, num_replicas)
         return canonical(counts[0]), counts[1]
 
     def solve(T: float):
@@ -171,23 +172,14 @@ def best_mix_by_dynamic_program(prep: BatchPrep, layouts: Sequence[Layout], worl
     return canonical(counts), hi
 
 
-def _mix_kernel():
-    """The dynamic program in C++ (csrc/planner.cpp) unless DCP_ASSIGN_IMPL=python asks for
-    the reference below; None where the kernels are not built."""
-    from dcp_ext.planning.bound import _kernels
-
-    k = _kernels()
-    return getattr(k, "mix_dynamic_program", None) if k is not None else None
-
-
-def _mix_by_kernel(kernel, prep: BatchPrep, order: list[Layout], B: np.ndarray, world: int, lo: float, rel_tol: float,
+def _mix_by_kernel(dp, prep: BatchPrep, order: list[Layout], B: np.ndarray, world: int, lo: float, rel_tol: float,
                    num_replicas: int | None) -> tuple[dict, float]:
     """best_mix_by_dynamic_program's bisection and dynamic program by the kernel, from the
     same per-type tables: (replicas per type, the time it reached)."""
     types = [prep.types[l] for l in order]
     start = np.minimum(B[:-1], prep.n - 1)
     first = [t.cost[np.minimum(B, prep.n - 1)] for t in types]
-    counts, hi = kernel(np.stack([t.cum[B] for t in types]), np.stack([t.alone[start] for t in types]),
+    counts, hi = dp(np.stack([t.cum[B] for t in types]), np.stack([t.alone[start] for t in types]),
                         np.stack([np.where(np.isfinite(f), f, BIG) for f in first]),
                         np.stack([B[:-1] >= t.first_ok for t in types]).astype(np.uint8),
                         np.array([prep.sync(l, num_replicas) for l in order], dtype=float),

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
@@ -237,22 +238,15 @@ class PackedReplica:
     layer_strategies: list | None = None
 
 
-def _ffd_kernel():
-    from dcp_ext.planning.bound import _kernels
-
-    k = _kernels()
-    return getattr(k, "first_fit_decreasing", None) if k is not None else None
-
-
 def first_fit_decreasing(docs: Sequence[int], sizes: np.ndarray, cap: float,
                          check: BinCheck | None = None) -> list[list[int]]:
     """Bins of total size <= cap (a larger item gets a bin of its own); with `check`, only
     bins it accepts (a memory check of the bin's documents, see doc_memory.BinCheck).
     Without a check the C++ kernel (csrc/planner.cpp) packs, where built; this is its reference."""
     if check is None and len(docs) > 1:
-        kernel = _ffd_kernel()
-        if kernel is not None:
-            return kernel(np.asarray(docs, dtype=np.int64), np.array([sizes[d] for d in docs], dtype=float), float(cap))
+        ffd = kernel("first_fit_decreasing")
+        if ffd is not None:
+            return ffd(np.asarray(docs, dtype=np.int64), np.array([sizes[d] for d in docs], dtype=float), float(cap))
     order = sorted(docs, key=lambda d: -sizes[d])
     bins: list[list[int]] = []
     room: list[float] = []
