@@ -37,6 +37,7 @@ def model_provider(config, pre_process: bool = True, post_process: bool = True, 
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
         use_te=use_te,
+        cpu_attention=args.dcp_cpu_attention,
     )
 
 

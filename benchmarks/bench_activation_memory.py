@@ -50,11 +50,11 @@ Model (Megatron flags, fp32 on the CPU): 4 layers, hidden 128, 4 heads / 2 query
 enough for 16K tokens on one core, large enough that the per-token terms dominate the
 per-parameter transients (under 1 MB).
 
-CPU attention: `dcp_ext.runtime.attention` calls SDPA on 3-D [heads, s, d] tensors, which torch
-runs on its math path (not its CPU flash kernel): it keeps the softmax probabilities,
-heads x s^2 per document per layer, and GQA-expanded keys/values of the whole document
-on every CP rank. The cost model charges these only for the CPU backend; flash/TE
-attention on a GPU keeps O(s) per document.
+CPU attention: by default (`--cpu-attention math`) `dcp_ext.runtime.attention` calls SDPA on
+3-D [heads, s, d] tensors, which torch runs on its math path: it keeps the softmax
+probabilities, heads x s^2 per document per layer, and GQA-expanded keys/values of the whole
+document on every CP rank. `--cpu-attention flash` (the run's `--dcp-cpu-attention flash`)
+runs torch's CPU flash kernel, which keeps O(s) per document, as TE does on a GPU.
 """
 from __future__ import annotations
 
@@ -95,10 +95,10 @@ def megatron_flags(groups: int = GROUPS) -> list[str]:
     ]
 
 
-def megatron_args(world_size: int, groups: int = GROUPS):
+def megatron_args(world_size: int, groups: int = GROUPS, cpu_attention: str = "math"):
     from megatron.training.arguments import parse_args
 
-    args = parse_args(megatron_flags(groups), world_size=world_size)
+    args = parse_args(megatron_flags(groups) + ["--dcp-cpu-attention", cpu_attention], world_size=world_size)
     args.padded_vocab_size = VOCAB
     # sequence parallel whenever tp > 1, as the runtime runs it (the flag itself is refused
     # at tp 1); ModelSpec.from_megatron_args reads it from here
@@ -232,7 +232,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from megatron.training.training import transformer_config_from_args
 
     LiveBytes = _tracker_class()
-    args = megatron_args(world, cfg["groups"])
+    args = megatron_args(world, cfg["groups"], cfg["cpu_attention"])
     mcore_compat.ensure_global_memory_buffer()
     reps = {name: ReplicaType(tp, cp, pp, ranks) for name, (tp, cp, pp, ranks) in LAYOUTS.items()}
     registry = GroupRegistry(list(reps.values()))  # every group, once, in the same order everywhere
@@ -251,7 +251,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
         first, last = pp_rank == 0, pp_rank == rep.pp - 1
         model = build_gpt_model(config, VOCAB, args.max_position_embeddings, first, last,
                                 pg_collection=registry.collection(rep), position_embedding_type="rope",
-                                share_embeddings_and_output_weights=True)
+                                share_embeddings_and_output_weights=True, cpu_attention=cfg["cpu_attention"])
         model.train()
         for p in model.parameters():  # gradients exist before: model state, not activations
             p.grad = torch.zeros_like(p)
@@ -357,13 +357,13 @@ def measure(cfg: dict, world: int = 2) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- prediction
-def predict(rows: list[dict], groups: int = GROUPS) -> list[dict]:
+def predict(rows: list[dict], groups: int = GROUPS, cpu_attention: str = "math") -> list[dict]:
     """One row per (layout, recompute, tokens): the replica's measured peak (the largest of
     its ranks') and the cost model's activation peak."""
     from dcp_ext.planning.cost_model import CostModel, Layout
     from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
-    cm = CostModel(ModelSpec.from_megatron_args(megatron_args(2, groups)), ClusterSpec.cpu_gloo(2))
+    cm = CostModel(ModelSpec.from_megatron_args(megatron_args(2, groups, cpu_attention)), ClusterSpec.cpu_gloo(2))
     points = {}
     for r in rows:
         points.setdefault((r["layout"], r["recompute"], r["tokens"]), []).append(r)
@@ -406,22 +406,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max-doc", type=int, default=1024, help="truncate packed documents to this length")
     ap.add_argument("--groups", type=int, default=GROUPS, help=f"query groups (GQA; {HEADS} = plain multi-head)")
     ap.add_argument("--probe", action="store_true", help="itemize what is kept and what is live at the peak")
+    ap.add_argument("--cpu-attention", choices=["math", "flash"], default="math",
+                    help="the document attention's kernel (--dcp-cpu-attention)")
     ap.add_argument("--json", default=None, help="write the table here")
     a = ap.parse_args(argv)
     tokens = a.tokens or ([512, 2048] if a.quick else [512, 1024, 2048, 4096, 8192, 16384])
     layouts = a.layouts or (["TP1", "CP2", "PP2"] if a.quick else list(LAYOUTS))
     recompute = {"both": [False, True], "none": [False], "full": [True]}[a.recompute]
     cfg = dict(tokens=tokens, layouts=layouts, recompute=recompute, docs=a.docs, max_doc=a.max_doc, probe=a.probe,
-               groups=a.groups)
+               groups=a.groups, cpu_attention=a.cpu_attention)
     t0 = time.perf_counter()
     raw = measure(cfg)
-    table = predict(raw, a.groups)
+    table = predict(raw, a.groups, a.cpu_attention)
     if a.probe:
         _print_probe(raw)
     import torch
 
     print(f"model: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {a.groups} query groups, SwiGLU ffn {FFN}, "
-          f"vocab {VOCAB}, RMSNorm, RoPE, tied embeddings, fp32; TP2 with sequence parallel; torch {torch.__version__}")
+          f"vocab {VOCAB}, RMSNorm, RoPE, tied embeddings, fp32; TP2 with sequence parallel; torch {torch.__version__}; "
+          f"{a.cpu_attention} attention")
     print("micro-batches: " + (f"packed documents from {os.path.basename(LENGTHS)} (in file order, each <= "
                                f"{a.max_doc} tokens)" if a.docs == "packed" else "one document each"))
     print(f"{'layout':6s} {'recompute':9s} {'tokens':>7s} {'docs':>5s} {'measured MB':>12s} {'predicted MB':>13s} "

@@ -168,7 +168,20 @@ class MemoryAccounting:
             mlp = 2.0 * f * e / t
         # dropout masks (1 byte) after attention and after the MLP
         drop = 2.0 * h / sp if m.hidden_dropout else 0.0
-        if cpu:
+        flash = cpu and m.cpu_attention == "flash"
+        if flash:
+            # dcp_ext.runtime.attention with --dcp-cpu-attention flash: SDPA on 4-D tensors runs
+            # torch's CPU flash kernel, which keeps its inputs as given, its output and fp32
+            # log-sum-exp (heads/t values), measured by bench_activation_memory.py --cpu-attention
+            # flash. Without CP: q and k after RoPE (h/t, kv/t), v's view keeps linear_qkv's
+            # whole output (h + 2kv)/t (GQA runs in the kernel: nothing expanded). With CP the
+            # whole document's keys and values, gathered and reordered (kv*cp/t each), and q.
+            # Then the concatenated output (linear_proj's input, h/t). The float mask CP needs
+            # is quadratic (`pair`); no probabilities.
+            qkv = (h + kv + (h + 2.0 * kv)) if cp == 1 else (h + 2.0 * kv * cp)
+            attn = (qkv + h + h) * e / t + heads / t * 4.0
+            norm_extra = 2.0 * (h + 1.0) * e / sp
+        elif cpu:
             # dcp_ext.runtime.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
             # the CPU flash kernel). It keeps q*scale (h/t), the GQA-expanded k*scale and v of
             # the whole document (h/t each per key row: a CP rank all-gathers keys and values,
@@ -212,10 +225,15 @@ class MemoryAccounting:
         # its backward: the logits gradient rounded to bf16 (megatron-core 0.16 does so in any
         # dtype), then autograd's cast back to the logits' dtype when that is not bf16
         logits_trans = m.vocab_size / t * (2.0 + (e if e != 2 else 0.0))
-        # CPU math-path attention: bytes per (query, key) pair of a document and layer
-        pair = heads / t * e if cpu else 0.0
+        # bytes per (query, key) pair of a document and layer: the CPU math path's
+        # probabilities (and, in the backward, their gradient: `pair_bwd`); the flash kernel's
+        # float mask under CP, one value per pair for all heads
+        if flash:
+            pair, pair_bwd = (e if cp > 1 else 0.0), 0.0
+        else:
+            pair = pair_bwd = heads / t * e if cpu else 0.0
         return dict(full=full, ckpt=ckpt, emb=emb, work=work, ws=ws, mlp=mlp, last_keep=last_keep,
-                    logits_trans=logits_trans, pair=pair)
+                    logits_trans=logits_trans, pair=pair, pair_bwd=pair_bwd)
 
     def act_bytes_per_token(self, layout: Layout, rs: int, lengths: Sequence[int] | None = None
                             ) -> tuple[float, float, float]:
@@ -247,7 +265,7 @@ class MemoryAccounting:
             # the attention's backward, one document at a time: the probabilities' gradient
             # and softmax-backward's output of the longest document, by when the layer's MLP
             # tensors are freed
-            attn_bwd = 2.0 * a["pair"] * float(s.max()) ** 2 / cp / tokens - a["mlp"] / cp
+            attn_bwd = 2.0 * a["pair_bwd"] * float(s.max()) ** 2 / cp / tokens - a["mlp"] / cp
             layer_bwd = max(layer_bwd, attn_bwd)
         trans += layer_bwd
         # (the last stage frees the final norm's input, `emb`, before its layers' backward:

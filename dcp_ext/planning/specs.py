@@ -180,6 +180,7 @@ class ModelSpec:
     exchange_slots: int = 1  # exchange buffers in flight: 2 when pull/push overlap compute
     sequence_parallel: bool = True  # with tp > 1
     hidden_dropout: bool = False  # keeps 1-byte masks per dropout site when True
+    cpu_attention: str = "math"  # CPU ranks' document attention (--dcp-cpu-attention): "math" keeps probabilities
     gated_linear_unit: bool = field(default=False, repr=False)  # alias kept for Megatron args
 
     @property
@@ -279,11 +280,14 @@ class ModelSpec:
             exchange_slots=2 if (g("overlap_param_gather", False) or g("overlap_grad_reduce", False)) else 1,
             sequence_parallel=bool(g("sequence_parallel", True)),
             hidden_dropout=dropout,
+            cpu_attention=str(g("dcp_cpu_attention", "math") or "math"),
         )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("gated_linear_unit", None)
+        if d["cpu_attention"] == "math":
+            d.pop("cpu_attention")  # the default: JSON of earlier runs and pins stay as they were
         return d
 
     @classmethod
@@ -303,6 +307,9 @@ class ModelSpec:
             if key in _MODEL_FLAGS:
                 if not isinstance(d[key], bool):
                     raise SpecError(f"{key} must be true or false (got {_show(d[key])})")
+            elif key == "cpu_attention":
+                if d[key] not in ("math", "flash"):
+                    raise SpecError(f"cpu_attention must be \"math\" or \"flash\" (got {_show(d[key])})")
             else:
                 _check_number(d, key, "", integer=True, zero_ok=key in _MODEL_MAY_BE_ZERO)
         if d["num_attention_heads"] % d["num_query_groups"]:

@@ -11,6 +11,12 @@ With context parallelism each rank holds, for every document, the load-balanced 
 of its padded length (`dcp_ext.runtime.context_parallel`), as megatron-core's CP RoPE assumes. Keys and values
 are all-gathered over the CP group (gradients summed back), then attention runs per
 document against the full key/value sequence with a global-position causal mask.
+
+Two kernels (`--dcp-cpu-attention`): `math` hands SDPA 3-D tensors, which runs torch's math
+path and keeps each document's softmax probabilities (memory quadratic in its length: the
+CPU demo's stand-in for a GPU's long-context memory pressure); `flash` hands it 4-D tensors,
+which runs torch's CPU flash kernel (the softmax statistics only: linear memory, and several
+times faster on long documents; megatron-core's masked attention below runs it too).
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from dcp_ext.runtime.context_parallel import cp_chunk_positions
+
+KERNELS = ("math", "flash")
 
 
 class _GatherOverGroup(torch.autograd.Function):
@@ -54,12 +62,17 @@ def document_causal_attention(
     softmax_scale: float,
     cp_group=None,
     dropout_p: float = 0.0,
+    kernel: str = "math",
 ) -> torch.Tensor:
     """Attention over documents laid out one after another on dim 0.
 
     query [t_local, hq, d], key/value [t_local, hkv, d]; `padded_lengths` are the documents'
-    GLOBAL (pre-CP-split) lengths, each a multiple of 2*cp when cp > 1. Returns [t_local, hq, d].
+    GLOBAL (pre-CP-split) lengths, each a multiple of 2*cp when cp > 1. `kernel`: "math" or
+    "flash" (see the module's docstring). Returns [t_local, hq, d].
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown CPU attention kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+    lead = (lambda x: x.unsqueeze(0)) if kernel == "flash" else (lambda x: x)  # 4-D: the flash kernel
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
     local_lengths = [n // cp_size for n in padded_lengths]
@@ -91,16 +104,16 @@ def document_causal_attention(
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # True = may attend
         # SDPA wants [heads, seq, dim]; it shares each key/value head over its query group itself
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            lead(q.transpose(0, 1)),
+            lead(k.transpose(0, 1)),
+            lead(v.transpose(0, 1)),
             attn_mask=mask,
             dropout_p=dropout_p,
             is_causal=mask is None,
             scale=softmax_scale,
             enable_gqa=group_size > 1,
         )
-        outputs.append(out.transpose(0, 1))
+        outputs.append(out.reshape(out.shape[-3:]).transpose(0, 1))
         offset += local
     return torch.cat(outputs, dim=0)
 
@@ -108,8 +121,9 @@ def document_causal_attention(
 class DocumentCausalAttention(MegatronModule):
     """Drop-in core attention (the local spec's `core_attention`) for CPU runs.
 
-    Same constructor as megatron-core's `DotProductAttention`; takes sbhd or THD inputs,
-    any context-parallel size, and GQA.
+    Same constructor as megatron-core's `DotProductAttention` plus `kernel` ("math" or
+    "flash", the layer spec's params); takes sbhd or THD inputs, any context-parallel size,
+    and GQA.
     """
 
     def __init__(
@@ -122,8 +136,12 @@ class DocumentCausalAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        kernel: str = "math",
     ):
         super().__init__(config=config)
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown CPU attention kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+        self.kernel = kernel
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -153,7 +171,8 @@ class DocumentCausalAttention(MegatronModule):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             lengths = (cu[1:] - cu[:-1]).tolist()
-            out = document_causal_attention(query, key, value, lengths, self.softmax_scale, cp_group, dropout_p)
+            out = document_causal_attention(query, key, value, lengths, self.softmax_scale, cp_group, dropout_p,
+                                          self.kernel)
             return out.reshape(out.shape[0], -1)
         # sbhd: one document per batch row
         s, b = query.shape[0], query.shape[1]
@@ -162,7 +181,7 @@ class DocumentCausalAttention(MegatronModule):
             return self._masked_sbhd(query, key, value, attention_mask, dropout_p)
         flat = lambda x: x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
         out = document_causal_attention(
-            flat(query), flat(key), flat(value), [s * cp] * b, self.softmax_scale, cp_group, dropout_p
+            flat(query), flat(key), flat(value), [s * cp] * b, self.softmax_scale, cp_group, dropout_p, self.kernel
         )
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 

@@ -86,8 +86,10 @@ class QKNorm:
         return norm
 
 
-def layer_spec(config, use_te: Optional[bool] = None):
-    """The transformer-layer spec for `config`: TE on GPUs with TE, the completed local spec otherwise."""
+def layer_spec(config, use_te: Optional[bool] = None, cpu_attention: str = "math"):
+    """The transformer-layer spec for `config`: TE on GPUs with TE, the completed local spec
+    otherwise, its document attention running `cpu_attention` ("math" or "flash",
+    `--dcp-cpu-attention`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
@@ -95,27 +97,29 @@ def layer_spec(config, use_te: Optional[bool] = None):
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
     from dcp_ext.runtime.attention import DocumentCausalAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization,
                                                          qk_layernorm=bool(config.qk_layernorm)))
     sub = spec.submodules
     sub.input_layernorm = TorchNorm
     sub.pre_mlp_layernorm = TorchNorm
-    sub.self_attention.submodules.core_attention = DocumentCausalAttention
+    sub.self_attention.submodules.core_attention = ModuleSpec(module=DocumentCausalAttention,
+                                                              params={"kernel": cpu_attention})
     if config.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = QKNorm
         sub.self_attention.submodules.k_layernorm = QKNorm
     return spec
 
 
-def block_spec(config, pp_rank: int, use_te: Optional[bool] = None):
+def block_spec(config, pp_rank: int, use_te: Optional[bool] = None, cpu_attention: str = "math"):
     """A block spec for pipeline stage `pp_rank`, so the final norm is ours too on the CPU
     (the local default norm refuses sequence parallel)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if use_te is None:
         use_te = transformer_engine_usable()
-    spec = layer_spec(config, use_te)
+    spec = layer_spec(config, use_te, cpu_attention)
     if use_te:
         return spec
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
@@ -134,6 +138,7 @@ def build_gpt_model(
     rotary_base: int = 10000,
     use_te: Optional[bool] = None,
     rotary_percent: float = 1.0,
+    cpu_attention: str = "math",
 ):
     from megatron.core.models.gpt import GPTModel
 
@@ -145,7 +150,7 @@ def build_gpt_model(
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, pp_rank, use_te),
+        transformer_layer_spec=block_spec(config, pp_rank, use_te, cpu_attention),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

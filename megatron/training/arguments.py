@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-uneven-stages", choices=["on", "off"], default="off",
                    help="OmniBal: the adaptive planner splits each pipelined layout's layers by the cost model "
                         "(the first and last stages also carry the embedding and the logits)")
+    g.add_argument("--dcp-cpu-attention", choices=["math", "flash"], default="math",
+                   help="CPU ranks' document attention: math keeps each document's softmax probabilities "
+                        "(memory quadratic in its length, the CPU demo's memory pressure); flash runs torch's "
+                        "CPU flash kernel, as megatron-core's masked attention already does (linear memory, "
+                        "several times faster on long documents); GPUs use transformer-engine either way")
     g.add_argument("--dcp-exchange", choices=["targeted", "allgather"], default="targeted",
                    help="pull/push: each rank moves only the slices it needs, or the all-gather baseline")
 
