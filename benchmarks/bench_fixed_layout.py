@@ -16,6 +16,12 @@ Both paths train the same tokens: the static path 4 samples of --seq-length 2048
 concatenated, --reset-attention-mask --reset-position-ids, micro-batch 1), `--dcp` global
 batches of 8192 tokens of whole documents up to 2048 (longer ones split). bench_real_win.py
 prints the same table in its run.
+
+Attention kernels, like with like: megatron-core's path hands its document mask to SDPA on
+4-D tensors, which torch runs on its CPU flash kernel; `--dcp` runs the same kernel per
+document with `--dcp-cpu-attention flash` (the default here). `--dcp-cpu-attention math`
+compares the demo's default instead, whose math path keeps each document's probabilities
+(several times slower on long documents).
 """
 from __future__ import annotations
 
@@ -54,7 +60,8 @@ def dcp_run_flags(tp: int, cp: int, args) -> list[str]:
     """The same layout under --dcp's static planner: bench_real_win's --dcp line at (tp, cp)."""
     from bench_real_win import dcp_flags
 
-    return dcp_flags(args) + layout_flags(tp, cp) + ["--dcp-planner", "static"]
+    return dcp_flags(args) + layout_flags(tp, cp) + ["--dcp-planner", "static", "--dcp-cpu-attention",
+                                                     args.dcp_cpu_attention]
 
 
 class Busy:
@@ -99,14 +106,16 @@ def measure(args, work: str, note=lambda s: print(s, file=sys.stderr, flush=True
             b = throughput(runs["dcp static"], args.warmup, args.tokens)["steady_tokens_per_s"]
             rows.append({"layout": name, "pair": rep + 1, "megatron_core_tokens_per_s": a, "dcp_tokens_per_s": b,
                          "ratio": b / a if a and b else None, "dcp_exposed_share": exposed_share(runs["dcp static"]),
-                         "busy": args.busy})
+                         "busy": args.busy, "dcp_cpu_attention": args.dcp_cpu_attention})
             note(f"    {name} pair {rep + 1}: megatron-core {a:.0f}, dcp static {b:.0f} tokens/s "
                  f"-> {rows[-1]['ratio']:.2f}x")
     return rows
 
 
 def print_rows(rows: list[dict], busy: int) -> None:
-    print(f"fixed layout, --dcp --dcp-planner static / megatron-core (tokens/s after warm-up, pairs run A B A B; "
+    kernel = rows[0].get("dcp_cpu_attention", "flash") if rows else "flash"
+    print(f"fixed layout, --dcp --dcp-planner static --dcp-cpu-attention {kernel} / megatron-core (tokens/s after "
+          f"warm-up, pairs run A B A B; "
           f"{'one core kept busy by a competing process' if busy == 1 else f'{busy} busy cores' if busy else 'quiet'})")
     print(f"{'layout':8s} {'pair':>4s} {'mcore tok/s':>11s} {'dcp tok/s':>9s} {'ratio':>6s} {'dcp exposed comm':>16s}")
     for r in rows:
@@ -130,6 +139,9 @@ def parse_cli(argv):
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--budget", default=SPEED_BUDGET, help="--dcp-device-memory (high: this compares speed, not memory)")
     ap.add_argument("--run-timeout", type=float, default=420.0)
+    ap.add_argument("--dcp-cpu-attention", choices=["flash", "math"], default="flash",
+                    help="--dcp's document attention kernel (default flash: torch's CPU flash kernel, the one "
+                         "megatron-core's masked attention runs here too; math keeps probabilities)")
     ap.add_argument("--data-path", default=None, help="a .bin/.idx prefix, byte-level (default: the long-tailed corpus)")
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks", "results", "fixed_layout.json"))
     args = ap.parse_args(argv)

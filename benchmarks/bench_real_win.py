@@ -536,6 +536,7 @@ def main(argv=None) -> int:
         report(dcp, args)
         if args.fixed_pairs:
             fixed = fixed_layout.measure(argparse.Namespace(**{**vars(args), "layouts": list(fixed_layout.LAYOUTS),
+                                                               "dcp_cpu_attention": "flash",
                                                                "repeats": args.fixed_pairs,
                                                                "budget": fixed_layout.SPEED_BUDGET}), work)
     rows = [row("static", c.config.label, r, args, c.predicted_peak) for c, r in static]

@@ -474,20 +474,12 @@ class AdaptiveEngine:
                                                     self._push, clock)
                 self._pull.drain()
             t1 = time.perf_counter()
-            import os as _os
-            if _os.environ.get("DBG_FB"):
-                import sys as _sys
-                print(f"DBG it={it.index} rank={self.rank} pull={1000*sync_s:.0f} fb={1000*(t1-t0):.0f}ms mbs={len(micro_batches)} tok={[int(b.tokens.numel()) for b in micro_batches]} sq={[int((b.packed_seq_params.cu_seqlens_q.diff().double()**2).sum()/1e3) for b in micro_batches]}k", file=_sys.stderr, flush=True)
             with self.phase("dcp-push"):
                 self._push.finish()
             if not self.overlap:
                 sync_s += time.perf_counter() - t1
         finally:
             self._pull = self._push = None
-        import os as _os
-        if _os.environ.get("DBG_FB"):
-            import sys as _sys
-            print(f"DBG it={it.index} rank={self.rank} push={1000*(time.perf_counter()-t1):.0f}", file=_sys.stderr, flush=True)
         timings = LocalTimings(it.replicas.index(self.my_replica(it)), stage.runner.pp_rank, clock.seconds(), sync_s,
                                time.perf_counter() - t0)
         with self.phase("optimizer"):
