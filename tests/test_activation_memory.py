@@ -21,10 +21,12 @@ BENCH = os.path.join(REPO, "benchmarks", "bench_activation_memory.py")
 
 
 @pytest.mark.dist
-def test_predicted_activation_peak_matches_measurement(tmp_path):
+@pytest.mark.parametrize("kernel", ["math", "flash"])
+def test_predicted_activation_peak_matches_measurement(tmp_path, kernel):
     out = tmp_path / "act.json"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, BENCH, "--quick", "--json", str(out)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--cpu-attention", kernel, "--json", str(out)], cwd=REPO,
+                          env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.load(open(out))["rows"]
@@ -54,3 +56,24 @@ def test_quadratic_attention_terms_are_cpu_only():
     assert single > packed > cpu.replica_peak_bytes(lay, [2048], [0])
     extra = model.num_layers * model.num_attention_heads * model.activation_bytes * (2048**2 - sum(s * s for s in lengths))
     assert single - packed >= extra
+
+
+def test_flash_kernel_keeps_no_probabilities():
+    """--dcp-cpu-attention flash: memory linear in document lengths without CP (the kernel
+    keeps log-sum-exp, not probabilities); under CP the float mask of each document, one
+    value per (query, key) pair for all heads, where math keeps one per head."""
+    model = ModelSpec.from_preset("demo")
+    math_cm = CostModel(model, ClusterSpec.cpu_gloo(4))
+    flash_cm = CostModel(model.with_(cpu_attention="flash"), ClusterSpec.cpu_gloo(4))
+    one, cp2 = Layout(1, 1, 1), Layout(1, 2, 1)
+    assert not flash_cm.quadratic(one) and flash_cm.quadratic(cp2) and math_cm.quadratic(one)
+    packed, single = [1024, 512, 512], [2048]
+    assert flash_cm.replica_peak_bytes(one, [2048], [0], mb_lengths=[single]) == \
+        flash_cm.replica_peak_bytes(one, [2048], [0], mb_lengths=[packed])
+    assert flash_cm.replica_peak_bytes(one, [2048], [0], mb_lengths=[single]) < \
+        math_cm.replica_peak_bytes(one, [2048], [0], mb_lengths=[packed])
+    # under CP2: the mask's pairs (one value each) make a long document cost more
+    mask = model.num_layers * model.activation_bytes * (2048 ** 2 - sum(s * s for s in packed)) / 2
+    grow = flash_cm.replica_peak_bytes(cp2, [2048], [0], mb_lengths=[single]) - \
+        flash_cm.replica_peak_bytes(cp2, [2048], [0], mb_lengths=[packed])
+    assert grow == pytest.approx(mask, rel=1e-9)

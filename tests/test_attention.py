@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dcp_ext.runtime.attention import document_causal_attention
+from dcp_ext.runtime.attention import KERNELS, document_causal_attention
 from dcp_ext.runtime.context_parallel import cp_token_indices
 from tests.helpers import run_ranks
 
@@ -33,12 +33,54 @@ def random_qkv(lengths, heads=4, groups=2, dim=8, seed=0):
     return q, k, v
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lengths", [[7], [3, 9, 1, 12], [16, 16]])
-def test_packed_documents_match_dense_mask(lengths):
+def test_packed_documents_match_dense_mask(lengths, kernel):
     q, k, v = random_qkv(lengths)
     scale = 1 / math.sqrt(8)
-    out = document_causal_attention(q, k, v, lengths, scale)
+    out = document_causal_attention(q, k, v, lengths, scale, kernel=kernel)
     torch.testing.assert_close(out, dense_reference(q, k, v, lengths, scale), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gradients_match_dense_mask(kernel):
+    lengths = [5, 17, 2, 9]
+    q, k, v = random_qkv(lengths, seed=3)
+    weights = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = []
+    for attend in (lambda *x: dense_reference(*x, lengths, 0.3),
+                   lambda *x: document_causal_attention(*x, lengths, 0.3, kernel=kernel)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        (attend(*leaves) * weights).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def saved_backward_nodes(out) -> set[str]:
+    """Names of the autograd nodes behind `out` (a walk of its graph)."""
+    seen, todo = {}, [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = type(node).__name__
+        todo.extend(n for n, _ in node.next_functions)
+    return set(seen.values())
+
+
+def test_flash_runs_torchs_cpu_flash_kernel_and_math_keeps_probabilities():
+    """The kernels differ in what they keep (the cost model's two sets of terms): flash runs
+    torch's CPU flash kernel; math runs the softmax whose probabilities autograd keeps."""
+    lengths = [6, 10]
+    q, k, v = (x.requires_grad_() for x in random_qkv(lengths))
+    flash = saved_backward_nodes(document_causal_attention(q, k, v, lengths, 0.3, kernel="flash"))
+    math_ = saved_backward_nodes(document_causal_attention(q, k, v, lengths, 0.3, kernel="math"))
+    assert any("FlashAttentionForCpu" in n for n in flash)
+    assert not any("Softmax" in n for n in flash)
+    assert any("Softmax" in n for n in math_)
+    with pytest.raises(ValueError, match="unknown CPU attention kernel 'fast'"):
+        document_causal_attention(q, k, v, lengths, 0.3, kernel="fast")
 
 
 def test_documents_do_not_see_each_other():
@@ -53,7 +95,7 @@ def test_documents_do_not_see_each_other():
     assert not torch.allclose(out[:5], out2[:5])
 
 
-def _cp_worker(rank, world, lengths):
+def _cp_worker(rank, world, lengths, kernel="math"):
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -68,7 +110,7 @@ def _cp_worker(rank, world, lengths):
     idx = cp_token_indices(lengths, world, rank)
     ql, kl, vl = (x[idx].clone().requires_grad_() for x in (q, k, v))
     group = dist.new_group(list(range(world)))
-    out = document_causal_attention(ql, kl, vl, lengths, scale, cp_group=group)
+    out = document_causal_attention(ql, kl, vl, lengths, scale, cp_group=group, kernel=kernel)
     (out * weights[idx]).sum().backward()
     errors = {
         "out": (out - ref[idx]).abs().max().item(),
@@ -80,8 +122,9 @@ def _cp_worker(rank, world, lengths):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("cp,lengths", [(2, [8, 4, 12]), (4, [16, 8])])
-def test_context_parallel_matches_full_attention_forward_and_backward(cp, lengths):
-    for errors in run_ranks(cp, fn=_cp_worker, args=(lengths,)):
+def test_context_parallel_matches_full_attention_forward_and_backward(cp, lengths, kernel):
+    for errors in run_ranks(cp, fn=_cp_worker, args=(lengths, kernel)):
         for name, err in errors.items():
             assert err < 1e-10, (name, err)

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+from dcp_ext.planning.specs import ClusterSpec, ModelSpec, SpecError
 
 
 @pytest.mark.parametrize("name,n,per_node,kind", [
@@ -54,9 +54,21 @@ def test_from_megatron_args():
                              swiglu=False, bf16=False)
     m2 = ModelSpec.from_megatron_args(gqa)
     assert m2.num_query_groups == 4 and m2.ffn_hidden_size == 1024 and m2.param_bytes == 4
+    assert m2.cpu_attention == "math"  # the parser's default
+    assert ModelSpec.from_megatron_args(argparse.Namespace(**vars(gqa), dcp_cpu_attention="flash")).cpu_attention == "flash"
 
 
 def test_model_json_round_trip():
     m = ModelSpec.from_preset("llama2-70b")
     assert ModelSpec.from_json(m.to_json()) == m
     assert ModelSpec.from_json({"name": "llama2-7b"}) == ModelSpec.from_preset("llama2-7b")
+
+
+def test_cpu_attention_in_json_only_when_not_the_default():
+    m = ModelSpec.from_preset("demo")
+    assert "cpu_attention" not in m.to_json()  # earlier runs' JSON and the pinned plans stay as they were
+    flash = m.with_(cpu_attention="flash")
+    assert flash.to_json()["cpu_attention"] == "flash"
+    assert ModelSpec.from_json(flash.to_json()) == flash
+    with pytest.raises(SpecError, match='cpu_attention must be "math" or "flash"'):
+        ModelSpec.from_json({**flash.to_json(), "cpu_attention": "fast"})
