@@ -79,10 +79,13 @@ class Busy:
             p.wait()
 
 
-def exposed_share(run) -> float | None:
-    """Median over the timed iterations of the `--dcp` log line's exposed comm / iteration time."""
+def exposed_share(run, field: str = "exposed comm") -> float | None:
+    """Median over the timed iterations of a `--dcp` log line's field (ms) / iteration time:
+    `exposed comm` (the longest any rank was blocked on pull/push) or `exchange` (the
+    quickest rank's: the exchange itself; the difference is waiting for the slowest rank)."""
     shares = []
-    for m in re.finditer(r"elapsed time per iteration \(ms\): ([\d.]+) \|.*?exposed comm \(ms\): ([\d.]+)", run.text):
+    pattern = r"elapsed time per iteration \(ms\): ([\d.]+) \|.*?" + re.escape(field) + r" \(ms\): ([\d.]+)"
+    for m in re.finditer(pattern, run.text):
         shares.append(float(m.group(2)) / float(m.group(1)))
     return statistics.median(shares[2:] or shares) if shares else None
 
@@ -106,6 +109,7 @@ def measure(args, work: str, note=lambda s: print(s, file=sys.stderr, flush=True
             b = throughput(runs["dcp static"], args.warmup, args.tokens)["steady_tokens_per_s"]
             rows.append({"layout": name, "pair": rep + 1, "megatron_core_tokens_per_s": a, "dcp_tokens_per_s": b,
                          "ratio": b / a if a and b else None, "dcp_exposed_share": exposed_share(runs["dcp static"]),
+                         "dcp_exchange_share": exposed_share(runs["dcp static"], "exchange"),
                          "busy": args.busy, "dcp_cpu_attention": args.dcp_cpu_attention})
             note(f"    {name} pair {rep + 1}: megatron-core {a:.0f}, dcp static {b:.0f} tokens/s "
                  f"-> {rows[-1]['ratio']:.2f}x")
@@ -117,11 +121,14 @@ def print_rows(rows: list[dict], busy: int) -> None:
     print(f"fixed layout, --dcp --dcp-planner static --dcp-cpu-attention {kernel} / megatron-core (tokens/s after "
           f"warm-up, pairs run A B A B; "
           f"{'one core kept busy by a competing process' if busy == 1 else f'{busy} busy cores' if busy else 'quiet'})")
-    print(f"{'layout':8s} {'pair':>4s} {'mcore tok/s':>11s} {'dcp tok/s':>9s} {'ratio':>6s} {'dcp exposed comm':>16s}")
+    print(f"{'layout':8s} {'pair':>4s} {'mcore tok/s':>11s} {'dcp tok/s':>9s} {'ratio':>6s} {'dcp exposed comm':>16s} "
+          f"{'of it the exchange':>18s}")
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     for r in rows:
-        share = "-" if r["dcp_exposed_share"] is None else f"{100 * r['dcp_exposed_share']:.0f}%"
         print(f"{r['layout']:8s} {r['pair']:4d} {r['megatron_core_tokens_per_s']:11.0f} {r['dcp_tokens_per_s']:9.0f} "
-              f"{r['ratio']:6.2f} {share:>16s}")
+              f"{r['ratio']:6.2f} {pct(r['dcp_exposed_share']):>16s} {pct(r.get('dcp_exchange_share')):>18s}")
+    print("(exposed comm: the longest time a rank was blocked on pull/push, as a share of the iteration; the "
+          "exchange: the quickest rank's, the transfer itself; the rest is waiting for the slowest rank's compute)")
     for name in dict.fromkeys(r["layout"] for r in rows):
         ratios = [r["ratio"] for r in rows if r["layout"] == name and r["ratio"]]
         print(f"{name}: median ratio {statistics.median(ratios):.2f}x over {len(ratios)} pairs")

@@ -67,6 +67,8 @@ class StepResult:
     exposed_comm_s: float = 0.0  # time this rank spent blocked on pull/push (max over ranks)
     loss_scale: float = 1.0
     timings: LocalTimings | None = None  # this rank's (timing.reduce_step makes them global)
+    exchange_s: float = 0.0  # the quickest rank's time blocked on pull/push: the exchange itself (the
+    # last rank to arrive waits for nobody); exposed_comm_s minus this is waiting for the slowest rank
 
     @property
     def loss(self) -> float:
@@ -423,14 +425,14 @@ class AdaptiveEngine:
 
     def _reduce(self, stage: Stage, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
-        bytes moved summed, the longest wait: one all-gather, summed in rank order."""
+        bytes moved summed, the longest and the shortest wait: one all-gather, summed in rank order."""
         counts = stage.runner.last and stage.rep.coords(self.rank)[0] == 0
         mine = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved, waited],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine)
         every = torch.stack(every).cpu()
-        return every[:, :3].sum(0).tolist() + [float(every[:, 3].max())]
+        return every[:, :3].sum(0).tolist() + [float(every[:, 3].max()), float(every[:, 3].min())]
 
     def _begin_pull(self, it: IterationPlan, stage: Stage):
         """Bind this iteration's alternative layers, start the pull; (exchange plan, elements
@@ -491,8 +493,10 @@ class AdaptiveEngine:
         moved = self.exchange.bytes_pulled + self.exchange.bytes_pushed - moved_before
         waited = sync_s if not self.overlap else self.exchange.wait_s - waited_before
         with self.phase("dcp-reduce"):
-            total_loss, total_tokens, total_moved, worst_wait = self._reduce(stage, loss_sum, tokens, moved, waited)
-        return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale, timings)
+            total_loss, total_tokens, total_moved, worst_wait, least_wait = self._reduce(stage, loss_sum, tokens, moved,
+                                                                                         waited)
+        return StepResult(total_loss, total_tokens, norm, ok, total_moved, worst_wait, scale, timings,
+                          exchange_s=least_wait)
 
     # ----------------------------------------------------------------- hooks
     def _pull_hook(self, bucket: int):

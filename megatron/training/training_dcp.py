@@ -446,7 +446,8 @@ class AdaptiveSteps:
         self.previous = (it, max(lengths_of.values(), default=0))
         extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
                  f"{1000 * elapsed_s:.1f} | plan (ms): {1000 * self.plan_s:.1f} | exposed comm (ms): "
-                 f"{1000 * result.exposed_comm_s:.1f} | tokens: {sum(batch.lengths)} |")
+                 f"{1000 * result.exposed_comm_s:.1f} | exchange (ms): {1000 * result.exchange_s:.1f} | "
+                 f"tokens: {sum(batch.lengths)} |")
         if iteration % args.log_interval == 0:
             if args.log_interval > 1:
                 extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in self.window_layouts.items()) + " |"
@@ -456,6 +457,7 @@ class AdaptiveSteps:
                                   len(batch.sample_ids), extra=extra,
                                   record={"tokens": sum(batch.lengths), "elapsed_s": elapsed_s,
                                           "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
+                                          "exchange_s": result.exchange_s,
                                           "layout": summary})
         if args.dcp_log_plan and dist.get_rank() == 0:
             with open(args.dcp_log_plan, "a") as f:
