@@ -3,7 +3,8 @@
 The two kernels compute the same document-causal attention (tests/test_attention.py holds
 them to a dense reference); this runs the real entry point both ways on 4 CPU ranks and
 checks that every iteration's loss and gradient norm agree, so the flag changes speed and
-memory, not what is learned.
+memory, not what is learned. The same runs check the log's split of the exposed
+communication.
 """
 import pytest
 
@@ -31,3 +32,7 @@ def test_flash_and_math_kernels_train_the_same_model(demo_cache, tmp_path):
         assert b["lm loss"] == pytest.approx(a["lm loss"], rel=1e-5)
         assert b["grad norm"] == pytest.approx(a["grad norm"], rel=1e-4)
     assert runs["math"][-1]["lm loss"] != runs["math"][0]["lm loss"]  # it trained
+    # the log's exposed communication splits into the exchange itself (the quickest rank's
+    # pull+push) and waiting for the slowest rank
+    for r in runs["math"] + runs["flash"]:
+        assert 0.0 < r["exchange_s"] <= r["exposed_comm_s"]
