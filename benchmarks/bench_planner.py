@@ -14,6 +14,7 @@ and prints the mean absolute error on held-out lengths (goal: <= 15% on the CPU 
     python benchmarks/bench_planner.py                      # h200x64 and h200x1024
     python benchmarks/bench_planner.py --large              # and h200x4096, 256M-token batches
     python benchmarks/bench_planner.py --compare-planners
+    python benchmarks/bench_planner.py --settings "code 4M" --layer-strategies --no-reference   # issue 16's point
     python benchmarks/bench_planner.py --profile cache/profile-demo.json
 """
 from __future__ import annotations
@@ -95,9 +96,10 @@ def corpus(path: str, max_seq: int, tokens: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def engine_times(setting, impl: str, iterations: int) -> dict:
+def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = False) -> dict:
     """Build the adaptive planner and plan `iterations` batches with the C++ kernels
-    ("cpp") or the Python reference ("python")."""
+    ("cpp") or the Python reference ("python"); `layer_strategies`: with
+    --dcp-layer-strategies on (each micro-batch's layers may re-factor their tp*cp)."""
     _, model, cluster, path, tokens, max_seq = setting
     before = os.environ.get("DCP_ASSIGN_IMPL")
     os.environ["DCP_ASSIGN_IMPL"] = impl
@@ -106,7 +108,8 @@ def engine_times(setting, impl: str, iterations: int) -> dict:
         batches = global_batches(lengths.tolist(), tokens, max_seq, count=iterations)
         t0 = time.perf_counter()
         p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq,
-                         global_batch_tokens=tokens, length_sample=lengths)
+                         global_batch_tokens=tokens, length_sample=lengths,
+                         **({"layer_strategies": True} if layer_strategies else {}))
         build = time.perf_counter() - t0
         ts, predicted = [], []
         for i, ids in enumerate(batches):
@@ -122,13 +125,13 @@ def engine_times(setting, impl: str, iterations: int) -> dict:
     return dict(build=build, median=1000 * float(np.median(ts)), max=1000 * float(np.max(ts)), predicted=predicted)
 
 
-def compare_engines(settings, iterations: int, reference: bool) -> None:
+def compare_engines(settings, iterations: int, reference: bool, layer_strategies: bool = False) -> None:
     print(f"{'setting':17s} {'cluster':9s} {'engine':7s} {'build s':>8s} {'plan median ms':>15s} {'plan max ms':>12s} "
           f"{'predicted s':>12s}", flush=True)
     for setting in settings:
         res = {}
         for impl in ("cpp", "python") if reference else ("cpp",):
-            r = res[impl] = engine_times(setting, impl, iterations)
+            r = res[impl] = engine_times(setting, impl, iterations, layer_strategies)
             print(f"{setting[0]:17s} {setting[2]:9s} {impl:7s} {r['build']:8.1f} {r['median']:15.1f} {r['max']:12.1f} "
                   f"{float(np.mean(r['predicted'])):12.4f}", flush=True)
         if reference:
@@ -156,6 +159,10 @@ def main() -> int:
     ap.add_argument("--large", action="store_true", help="also h200x4096 with 256M-token batches")
     ap.add_argument("--no-reference", action="store_true", help="the C++ kernels only (the reference is slow at scale)")
     ap.add_argument("--compare-planners", action="store_true", help="every planner's build and planning times")
+    ap.add_argument("--layer-strategies", action="store_true",
+                    help="the adaptive planner with layer strategies on (--dcp-layer-strategies on)")
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated labels of the settings to run (default: all of them)")
     ap.add_argument("--planners", default=",".join(PLANNERS))
     ap.add_argument("--profile", default=None)
     ap.add_argument("--data", default=DATA)
@@ -165,7 +172,18 @@ def main() -> int:
     if a.compare_planners:
         compare_planners(a.iterations, [n for n in a.planners.split(",") if n], a.data)
         return 0
-    compare_engines(SETTINGS + (LARGE if a.large else []), a.iterations, not a.no_reference)
+    settings = SETTINGS + (LARGE if a.large else [])
+    if a.settings:
+        wanted = [w.strip() for w in a.settings.split(",") if w.strip()]
+        unknown = [w for w in wanted if w not in {st[0] for st in settings}]
+        if unknown:
+            print(f"error: --settings {', '.join(unknown)}: not a setting (choose from "
+                  f"{', '.join(repr(st[0]) for st in settings)})", file=sys.stderr)
+            return 2
+        settings = [st for st in settings if st[0] in wanted]
+    if a.layer_strategies:
+        print("layer strategies on")
+    compare_engines(settings, a.iterations, not a.no_reference, a.layer_strategies)
     return 0
 
 

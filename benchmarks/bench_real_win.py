@@ -28,8 +28,8 @@ with and without full recompute (--recompute-granularity full --recompute-method
   4. a run whose measured peak (its `> peak device memory per rank` line) exceeds the budget
      is dropped; the fastest survivor is best static.
 Then `--dcp` (the adaptive planner) with the same budget, once per `--dcp-cpu-attention` kernel
-given (default math, the demo's: its probabilities make a long document need CP, TP or
-recompute under the budget; flash: torch's CPU flash kernel, linear memory, what
+(default both: math, the demo's, whose probabilities make a long document need CP, TP or
+recompute under the budget; flash, torch's CPU flash kernel, linear memory, the kernel
 megatron-core's masked attention runs at cp 1).
 
 Table: each run's layout, tokens/s over the iterations after the first --warmup (from the log
@@ -501,9 +501,10 @@ def parse_cli(argv):
         ap.add_argument(flag, default=None, help="with --data-path: as pretrain_gpt_dcp.py")
     ap.add_argument("--fixed-pairs", type=int, default=None,
                     help="A B pairs of the fixed-layout comparison per layout (default 1, --quick 0)")
-    ap.add_argument("--dcp-cpu-attention", nargs="+", choices=["math", "flash"], default=["math"],
-                    help="--dcp's document attention kernel(s), one adaptive run each (default math, the demo's: "
-                         "its probabilities make long documents need CP, TP or recompute under the budget)")
+    ap.add_argument("--dcp-cpu-attention", nargs="+", choices=["math", "flash"], default=["math", "flash"],
+                    help="--dcp's document attention kernel(s), one adaptive run each (default both: math, the "
+                         "demo's, whose probabilities make long documents need CP, TP or recompute under the budget; "
+                         "flash, torch's CPU flash kernel, the one megatron-core's masked attention runs)")
     ap.add_argument("--busy", type=int, default=0, help="cores kept busy by competing processes (a straggler)")
     ap.add_argument("--json", default=os.path.join(RESULTS, "real_win.json"))
     ap.add_argument("--plot", default=os.path.join(RESULTS, "real_win.png"))
