@@ -3,7 +3,10 @@
 //    AdaptivePlanner._stage1 (longest document first), then the moves and swaps of
 //    dcp_ext/planning/planners/rebalance.py;
 //  - stage 2's first-fit-decreasing packing (planners/common.py, without a memory check);
-//  - the candidate pool's dynamic program (planners/candidates.py).
+//  - the candidate pool's dynamic program (planners/candidates.py);
+//  - stage 2's pricing of a single-stage replica (planners/common.finish_replica for
+//    pp == 1 without quadratic memory: each micro-batch's statistics, the cap check and
+//    the sum of StageCoeffs.mb_time).
 //
 // Why it exists: the planner runs every iteration on every rank beside the step, and
 // builds its pool at every start; these were Python loops over every document, replica
@@ -461,7 +464,69 @@ py::list first_fit_decreasing(const IntArr& docs, const Arr& sizes, double cap) 
   return out;
 }
 
+// planners/common.finish_replica, pp == 1 and memory linear in tokens: per micro-batch
+// (docs, rs) of `mbs`, s2 = sum of squared lengths and t = sum of lengths (exact integer
+// sums, as Python's ints, then rounded to double once), n = its document count; ok while
+// every t <= caps[rs] * (1 + 1e-12) (caps[rs] = -inf where rs is not allowed); pipe = the
+// sequential sum of StageCoeffs.mb_time(s2, t, n) with coef[rs] = (c0, a, b, c, cp_att,
+// cp_comm, cp_layers, cp_recompute) in its operation order (excess 0 without cp_comm).
+py::tuple price_single_stage(const py::object& lengths, const py::list& mbs, const Arr& coef, const Arr& caps,
+                             double attn_bwd_factor) {
+  // the batch's lengths: a list of Python ints (the planner's s_list, read only where a
+  // micro-batch's document sits) or an int64 array
+  const bool is_list = py::isinstance<py::list>(lengths);
+  IntArr arr;
+  if (!is_list) {
+    py::array a = py::reinterpret_borrow<py::array>(lengths);
+    if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') throw py::type_error("lengths must be ints");
+    arr = IntArr::ensure(lengths);
+  }
+  PyObject* list = lengths.ptr();
+  const int64_t n_len = is_list ? static_cast<int64_t>(PyList_GET_SIZE(list)) : arr.shape(0);
+  const int64_t* data = is_list ? nullptr : arr.data();
+  auto length_at = [&](int64_t i) -> int64_t {
+    if (i < 0 || i >= n_len) throw std::out_of_range("document index outside the batch");
+    if (!is_list) return data[i];
+    PyObject* o = PyList_GET_ITEM(list, i);
+    if (!PyLong_Check(o)) throw py::type_error("lengths must be ints");
+    return PyLong_AsLongLong(o);
+  };
+  const int64_t levels = caps.shape(0);
+  if (coef.ndim() != 2 || coef.shape(0) != levels || coef.shape(1) != 8)
+    throw std::invalid_argument("coef must be [levels, 8] and caps [levels]");
+  const double* cf = coef.data();
+  const double* cap = caps.data();
+  bool ok = true;
+  double pipe = 0.0;
+  for (const py::handle& item : mbs) {
+    py::sequence mb = py::reinterpret_borrow<py::sequence>(item);
+    int64_t rs = mb[1].cast<int64_t>();
+    if (rs < 0 || rs >= levels) throw std::out_of_range("recompute level outside the coefficient table");
+    int64_t s2 = 0, t = 0, n = 0;
+    for (const py::handle& d : py::reinterpret_borrow<py::iterable>(mb[0])) {
+      const int64_t x = length_at(d.cast<int64_t>());
+      s2 += x * x;
+      t += x;
+      ++n;
+    }
+    const double S2 = static_cast<double>(s2), T = static_cast<double>(t);
+    if (!(T <= cap[rs] * (1 + 1e-12))) ok = false;
+    const double* c = cf + 8 * rs;
+    double excess = 0.0;
+    if (c[5] != 0.0) {
+      double att = c[4] * S2, com = c[5] * T;
+      double ex_f = nmax(0.0, com - att);
+      double ex_b = nmax(0.0, 2.0 * com - attn_bwd_factor * att);
+      excess = (c[6] + c[7]) * ex_f + c[6] * ex_b;
+    }
+    pipe += c[0] + c[1] * S2 + c[2] * T + c[3] * static_cast<double>(n) + excess;
+  }
+  return py::make_tuple(ok, pipe);
+}
+
 void register_mix_dp(py::module_& m) {
+  m.def("price_single_stage", &price_single_stage, py::arg("lengths"), py::arg("mbs"), py::arg("coef"), py::arg("caps"),
+        py::arg("attn_bwd_factor"));
   m.def("first_fit_decreasing", &first_fit_decreasing, py::arg("docs"), py::arg("sizes"), py::arg("cap"));
   m.def("mix_dynamic_program", &mix_dynamic_program, py::arg("cum"), py::arg("alone"), py::arg("first"),
         py::arg("start_ok"), py::arg("sync"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("size"),

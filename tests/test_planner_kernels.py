@@ -96,3 +96,39 @@ def test_cpp_first_fit_decreasing_equals_the_reference(monkeypatch):
         got = first_fit_decreasing(docs, sizes, cap)
         assert got == ref
         assert sorted(d for b in got for d in b) == sorted(docs)
+
+
+@pytest.mark.parametrize("model,cluster,data,max_seq_len,tokens", [CASES[0], CASES[2]])  # pools with pp == 1
+def test_cpp_single_stage_pricing_equals_the_reference(model, cluster, data, max_seq_len, tokens, monkeypatch):
+    """finish_replica's pricing of pp == 1 replicas (`price_single_stage`): every call the
+    planner made on real batches priced again by the Python path, bit for bit; a micro-batch
+    over its cap leaves it to the Python path (memory fitted first)."""
+    from dcp_ext.planning.planners import common
+
+    lengths = np.minimum(np.asarray(read_lengths(data)), max_seq_len)
+    p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq_len,
+                     global_batch_tokens=tokens, length_sample=lengths, sample_count=4)
+    calls = []
+    real = common._price_single_stage
+
+    def recorded(cm, tt, s, mbs):
+        got = real(cm, tt, s, mbs)
+        calls.append((cm, tt, s, list(mbs), got))
+        return got
+
+    monkeypatch.setattr(common, "_price_single_stage", recorded)
+    for i, ids in enumerate(global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=3)):
+        p.plan_iteration(i, ids, lengths[ids].tolist())
+    monkeypatch.setattr(common, "_price_single_stage", real)
+    monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+    priced = with_cp = 0
+    for cm, tt, s, mbs, got in calls:
+        ref = common.finish_replica(cm, tt, [0], s, mbs, 1)
+        if got is None:
+            continue
+        assert got == ref.pipeline_s, (tt.layout, got, ref.pipeline_s)
+        priced += 1
+        with_cp += tt.layout.cp > 1
+    assert priced >= 10, priced
+    if model == "llama2-13b":
+        assert with_cp  # the kv exchange's excess term was exercised

@@ -131,6 +131,7 @@ class CostModel(MemoryAccounting):
         self.profile = profile
         self.memory_margin = memory_margin
         self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
+        self._coeff_tables: dict[tuple[Layout, int], np.ndarray] = {}  # coeff_table's
         self._prior: dict[tuple[Layout, int], StageCoeffs] = {}
         self._prior_sync: dict[tuple, float] = {}  # prior_sync_time per (layout, num_replicas, profile)
         self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
@@ -196,9 +197,23 @@ class CostModel(MemoryAccounting):
             self._coeffs[key] = got
         return got
 
+    def coeff_table(self, layout: Layout, levels: int) -> np.ndarray:
+        """[levels, 8]: (c0, a, b, c, cp_att, cp_comm, cp_layers, cp_recompute) of
+        coeffs(layout, rs) for rs < levels, the C++ pricing's input (cached like coeffs)."""
+        key = (Layout(*layout), int(levels))
+        got = self._coeff_tables.get(key)
+        if got is None:
+            rows = []
+            for rs in range(levels):
+                k = self.coeffs(layout, rs)
+                rows.append((k.c0, k.a, k.b, k.c, k.cp_att, k.cp_comm, k.cp_layers, k.cp_recompute))
+            got = self._coeff_tables[key] = np.array(rows, dtype=np.float64).reshape(levels, 8)
+        return got
+
     def recalibrated(self) -> None:
         """The calibration changed: prices are recomputed from it on next use."""
         self._coeffs.clear()
+        self._coeff_tables.clear()
         lp = getattr(self, "_layer_prices", None)
         if lp is not None:
             lp.clear()

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dcp_ext.assign.backend import kernel
-from dcp_ext.planning.cost_model import CostModel
+from dcp_ext.planning.cost_model import ATTN_BWD_FACTOR, CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan, MicroBatchPlan, ReplicaPlan
 from dcp_ext.planning.planners.doc_memory import BinCheck, bin_check, doc_caps, fits_alone, level_bytes
@@ -47,6 +47,18 @@ class TypeTable:
     doc_caps_alone: list[int] | None = None
     doc_caps_window: list[int] | None = None
     _act: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _caps_by_level: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def caps_by_level(self) -> np.ndarray:
+        """caps_alone per recompute level 0..layers_per_stage, -inf where a level is not
+        allowed (the C++ pricing's cap check; cached)."""
+        if self._caps_by_level is None:
+            caps = np.full(self.layers_per_stage + 1, -np.inf)
+            for rs, cap in zip(self.allowed_rs, self.caps_alone):
+                if 0 <= rs <= self.layers_per_stage:
+                    caps[rs] = cap
+            self._caps_by_level = caps
+        return self._caps_by_level
 
     def act_per_token(self, cm: CostModel) -> np.ndarray:
         """[allowed rs, (kept, transient, last-stage extra)] activation bytes per token (cached)."""
@@ -390,10 +402,32 @@ def fit_memory(cm: CostModel, tt: TypeTable, s: np.ndarray, mbs: list[tuple[list
     raise PlanningError(f"could not fit the micro-batches of a {lay} replica in memory")  # pragma: no cover
 
 
+def _price_single_stage(cm: CostModel, tt: TypeTable, s, mbs) -> float | None:
+    """finish_replica's pricing of a pp == 1 replica by the C++ kernel (csrc/planner.cpp,
+    equal to the Python below bit for bit): the sum of its micro-batches' times, or None
+    where a micro-batch exceeds its cap (the Python path then fits memory first), the
+    kernel is not built, or the lengths are not integers (Python's float sums differ)."""
+    price = kernel("price_single_stage")
+    if price is None or not isinstance(s, (list, np.ndarray)):
+        return None
+    caps = tt.caps_by_level()
+    try:
+        ok, pipe = price(s, mbs if isinstance(mbs, list) else list(mbs), cm.coeff_table(tt.layout, len(caps)), caps,
+                         ATTN_BWD_FACTOR)
+    except (IndexError, TypeError):  # float lengths, or a level beyond the stage's layers: the Python path
+        return None
+    return pipe if ok else None
+
+
 def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray, mbs, num_replicas: int) -> PackedReplica:
     """Order, fit in memory (raising recompute where a 1F1B window overflows), and price
     one replica's micro-batches exactly (1F1B simulation + sync)."""
     lay = tt.layout
+    if tt.pp == 1 and not tt.quadratic:
+        fast = _price_single_stage(cm, tt, s, mbs)
+        if fast is not None:  # every micro-batch within its cap: priced by the kernel
+            sync = cm.sync_time(lay, num_replicas)
+            return PackedReplica(lay, ranks, mbs, fast + sync, fast, sync, 0.0)
     sl = s.tolist() if isinstance(s, np.ndarray) else list(s)
     stats = []
     for docs, rs in mbs:
