@@ -478,7 +478,7 @@ class AdaptivePlanner(PlannerBase):
             # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
             # prices lower stays
             i = min(plans, key=lambda i: (plans[i][0], i))
-            alt = self._assign_plan(prep, est[i][1], est[i][0])
+            alt = self._assign_plan(prep, est[i][1], est[i][0], beat=plans[i][0])
             if alt is not None:
                 t_alt = max(r.time_s for r in alt)
                 if t_alt < plans[i][0]:
@@ -595,14 +595,17 @@ class AdaptivePlanner(PlannerBase):
         rebalance(docs, work, tob, sync, self.move_targets, self.max_moves)
         return docs
 
-    def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float) -> list[PackedReplica] | None:
+    def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float,
+                     beat: float = math.inf) -> list[PackedReplica] | None:
         """Stage 1 + 2 by dcp_ext.assign.plan_replicas. Its cost model has no per-replica
         constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
         scaled times then mean equal finish times with sync), and micro-batches are capped
         at the no-recompute token cap (a batch with a document longer than every cap is
         left to the Python engine). Nor does it know quadratic memory: there a replica takes
         documents up to the longest that fits without recompute, finish_replica raises the
-        recompute its packed micro-batches need, and a plan memory cannot hold is no plan."""
+        recompute its packed micro-batches need, and a plan memory cannot hold is no plan.
+        `beat`: the time the plan must be faster than to be taken; once a replica's time
+        reaches it, the rest is not priced (None: the caller keeps its plan either way)."""
         import dcp_ext.assign as A
 
         placement = self.placements[counts]
@@ -628,4 +631,6 @@ class AdaptivePlanner(PlannerBase):
                 out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
             except PlanningError:
                 return None
+            if not out[-1].time_s < beat:
+                return None  # its slowest replica is already no faster: it cannot be taken
         return out
