@@ -341,3 +341,26 @@ def test_the_lock_is_given_back_after_an_error_exit(text_corpus, tmp_path):
                                "--load", str(tmp_path / "bad")])
     assert_one_line_error(r, "iter_0000007")
     assert os.listdir(save) == []
+
+
+@pytest.mark.parametrize("rank,speaks", [(0, True), (1, False)])
+def test_a_quiet_rank_leaves_rank_0_the_time_to_print_the_error(rank, speaks, monkeypatch, capsys):
+    """A flag error every rank meets prints once, on rank 0. A silent rank that exited at
+    once made torchrun stop rank 0 before its line came out (CI saw a run with no line):
+    the silent rank now waits, rank 0 does not."""
+    from megatron.training import checkpoint_lock, training
+
+    slept = []
+    monkeypatch.setattr("time.sleep", slept.append)
+    monkeypatch.setattr(checkpoint_lock, "_reason_given", False)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        training._report_error_and_exit("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2", 2,
+                                        every_rank=False)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert (err == "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2\n") == speaks
+    assert (err == "") == (not speaks)
+    assert slept == ([] if speaks else [training.QUIET_RANK_GRACE_S])
+    assert checkpoint_lock._reason_given  # torchrun's SIGTERM adds no line

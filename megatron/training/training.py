@@ -179,6 +179,9 @@ def attach_timers(config, optimizer, timers) -> None:
         opt.config.timers = timers
 
 
+QUIET_RANK_GRACE_S = 5.0  # how long a rank that does not print an error waits for rank 0 to print it
+
+
 def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True) -> None:
     """One line on stderr and a non-zero exit. Errors every rank meets alike (flags) print once."""
     import os
@@ -190,13 +193,21 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
             return default
 
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
-    if every_rank or rank == 0 or not 0 <= rank < world:
+    speaks = every_rank or rank == 0 or not 0 <= rank < world
+    if speaks:
         names_its_rank = message.startswith(f"rank {rank} ")
         prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     from megatron.training import checkpoint_lock
 
     checkpoint_lock.reason_given()
+    if not speaks:
+        # a silent rank that exits first makes torchrun stop rank 0 (SIGTERM) before it
+        # prints the line: leave rank 0 the time to print and exit first (torchrun then
+        # stops this rank, silently: its reason is given)
+        import time
+
+        time.sleep(QUIET_RANK_GRACE_S)
     sys.exit(code)
 
 
