@@ -477,6 +477,7 @@ py::tuple price_single_stage(const py::object& lengths, const py::list& mbs, con
   const bool is_list = py::isinstance<py::list>(lengths);
   IntArr arr;
   if (!is_list) {
+    if (!py::isinstance<py::array>(lengths)) throw py::type_error("lengths must be a list or an array of ints");
     py::array a = py::reinterpret_borrow<py::array>(lengths);
     if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u') throw py::type_error("lengths must be ints");
     arr = IntArr::ensure(lengths);

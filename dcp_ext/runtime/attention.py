@@ -33,6 +33,11 @@ from dcp_ext.runtime.context_parallel import cp_chunk_positions
 KERNELS = ("math", "flash")
 
 
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown CPU attention kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+
+
 class _GatherOverGroup(torch.autograd.Function):
     """all_gather in forward; in backward every rank gets the sum of the gathered grads' own slice.
 
@@ -70,8 +75,7 @@ def document_causal_attention(
     GLOBAL (pre-CP-split) lengths, each a multiple of 2*cp when cp > 1. `kernel`: "math" or
     "flash" (see the module's docstring). Returns [t_local, hq, d].
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown CPU attention kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+    _check_kernel(kernel)
     lead = (lambda x: x.unsqueeze(0)) if kernel == "flash" else (lambda x: x)  # 4-D: the flash kernel
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
@@ -139,8 +143,7 @@ class DocumentCausalAttention(MegatronModule):
         kernel: str = "math",
     ):
         super().__init__(config=config)
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown CPU attention kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+        _check_kernel(kernel)
         self.kernel = kernel
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
