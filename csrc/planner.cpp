@@ -464,12 +464,24 @@ py::list first_fit_decreasing(const IntArr& docs, const Arr& sizes, double cap) 
   return out;
 }
 
+// StageCoeffs.mb_time(s2, t, n) of one micro-batch, c = (c0, a, b, c, cp_att, cp_comm,
+// cp_layers, cp_recompute), in its operation order (excess 0 without cp_comm).
+double mb_time(const double* c, double S2, double T, int64_t n, double attn_bwd_factor) {
+  double excess = 0.0;
+  if (c[5] != 0.0) {
+    double att = c[4] * S2, com = c[5] * T;
+    double ex_f = nmax(0.0, com - att);
+    double ex_b = nmax(0.0, 2.0 * com - attn_bwd_factor * att);
+    excess = (c[6] + c[7]) * ex_f + c[6] * ex_b;
+  }
+  return c[0] + c[1] * S2 + c[2] * T + c[3] * static_cast<double>(n) + excess;
+}
+
 // planners/common.finish_replica, pp == 1 and memory linear in tokens: per micro-batch
 // (docs, rs) of `mbs`, s2 = sum of squared lengths and t = sum of lengths (exact integer
 // sums, as Python's ints, then rounded to double once), n = its document count; ok while
 // every t <= caps[rs] * (1 + 1e-12) (caps[rs] = -inf where rs is not allowed); pipe = the
-// sequential sum of StageCoeffs.mb_time(s2, t, n) with coef[rs] = (c0, a, b, c, cp_att,
-// cp_comm, cp_layers, cp_recompute) in its operation order (excess 0 without cp_comm).
+// sequential sum of mb_time with coef[rs], in the micro-batches' order.
 py::tuple price_single_stage(const py::object& lengths, const py::list& mbs, const Arr& coef, const Arr& caps,
                              double attn_bwd_factor) {
   // the batch's lengths: a list of Python ints (the planner's s_list, read only where a
@@ -512,22 +524,148 @@ py::tuple price_single_stage(const py::object& lengths, const py::list& mbs, con
     }
     const double S2 = static_cast<double>(s2), T = static_cast<double>(t);
     if (!(T <= cap[rs] * (1 + 1e-12))) ok = false;
-    const double* c = cf + 8 * rs;
-    double excess = 0.0;
-    if (c[5] != 0.0) {
-      double att = c[4] * S2, com = c[5] * T;
-      double ex_f = nmax(0.0, com - att);
-      double ex_b = nmax(0.0, 2.0 * com - attn_bwd_factor * att);
-      excess = (c[6] + c[7]) * ex_f + c[6] * ex_b;
-    }
-    pipe += c[0] + c[1] * S2 + c[2] * T + c[3] * static_cast<double>(n) + excess;
+    pipe += mb_time(cf + 8 * rs, S2, T, n, attn_bwd_factor);
   }
   return py::make_tuple(ok, pipe);
+}
+
+// FFD of `items` (batch positions) by their lengths, as first_fit_decreasing above: bins
+// of positions, largest first (ties keep their order), each into the first bin with room.
+std::vector<std::vector<int64_t>> ffd_bins(const std::vector<int64_t>& items, const int64_t* len, double cap) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto size = [&](int64_t i) { return static_cast<double>(len[items[i]]); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return -size(a) < -size(b); });
+  std::vector<std::vector<int64_t>> bins;
+  std::vector<double> room;
+  for (int64_t i : order) {
+    const double x = size(i);
+    size_t b = 0;
+    while (b < room.size() && !(x <= room[b])) ++b;
+    if (b < room.size()) {
+      bins[b].push_back(items[i]);
+      room[b] = room[b] - x;
+    } else {
+      bins.push_back({items[i]});
+      room.push_back(cap - x);
+    }
+  }
+  return bins;
+}
+
+// Stage 2 of a full plan for its single-stage replicas with memory linear in tokens, in one
+// call: planners/common.pack_replica (a document longer than the micro-batch cap runs alone
+// at the least recompute whose cap holds it, TypeTable.rs_planned; the rest packed by
+// FFD) and then finish_replica's pricing, replica by replica. docs[k]: replica k's sorted
+// positions (stage 1's output); order: sorted position -> batch position; lengths by batch
+// position. Per type t: cap_mb[t], its allowed levels (levels[t, :n_levels[t]]) with their
+// caps doc_caps[t, :], coef[t] and caps[t] as price_single_stage's. type_of[k] < 0: not
+// here. Per replica: None where the Python path must run it (not here, a document no level
+// holds, a micro-batch over its cap), else (pipe, [(batch positions, rs), ...]).
+py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py::list& docs, const IntArr& type_of,
+                           const Arr& cap_mb, const IntArr& levels, const Arr& doc_caps, const IntArr& n_levels,
+                           const Arr& coef, const Arr& caps, double attn_bwd_factor) {
+  const int64_t R = type_of.shape(0), T = cap_mb.shape(0);
+  if (static_cast<int64_t>(py::len(docs)) != R) throw py::value_error("one document list per replica");
+  if (levels.ndim() != 2 || levels.shape(0) != T || doc_caps.ndim() != 2 || doc_caps.shape(0) != T ||
+      doc_caps.shape(1) != levels.shape(1) || n_levels.shape(0) != T)
+    throw py::value_error("levels and doc_caps must be [types, L], n_levels [types]");
+  if (coef.ndim() != 3 || coef.shape(0) != T || coef.shape(2) != 8 || caps.ndim() != 2 || caps.shape(0) != T ||
+      caps.shape(1) != coef.shape(1))
+    throw py::value_error("coef must be [types, levels, 8] and caps [types, levels]");
+  const int64_t L = levels.shape(1), C = caps.shape(1), n_len = lengths.shape(0), n_ord = order.shape(0);
+  const int64_t* len = lengths.data();
+  const int64_t* ord = order.data();
+  const int64_t* tof = type_of.data();
+  // read the positions first (Python objects), then pack and price without the GIL
+  std::vector<std::vector<int64_t>> items(R);
+  for (int64_t k = 0; k < R; ++k) {
+    if (tof[k] < 0) continue;
+    if (tof[k] >= T) throw std::out_of_range("type index outside the tables");
+    for (const py::handle& p : py::reinterpret_borrow<py::iterable>(docs[k])) {
+      const int64_t pos = p.cast<int64_t>();
+      if (pos < 0 || pos >= n_ord) throw std::out_of_range("position outside the batch");
+      const int64_t b = ord[pos];
+      if (b < 0 || b >= n_len) throw std::out_of_range("batch position outside the lengths");
+      items[k].push_back(b);
+    }
+  }
+  struct Out {
+    bool python = true;
+    double pipe = 0.0;
+    std::vector<std::pair<std::vector<int64_t>, int64_t>> mbs;
+  };
+  std::vector<Out> out(R);
+  {
+    py::gil_scoped_release nogil;
+    for (int64_t k = 0; k < R; ++k) {
+      const int64_t t = tof[k];
+      if (t < 0 || items[k].empty()) {
+        out[k].python = t < 0;
+        continue;
+      }
+      const double cap = cap_mb.data()[t];
+      const int64_t* lv = levels.data() + L * t;
+      const double* dc = doc_caps.data() + L * t;
+      const int64_t nl = n_levels.data()[t];
+      const double* cf = coef.data() + C * 8 * t;
+      const double* cp = caps.data() + C * t;
+      Out& o = out[k];
+      std::vector<int64_t> shorts;
+      bool fine = true;
+      for (int64_t b : items[k]) {
+        const double x = static_cast<double>(len[b]);
+        if (!(x > cap)) {
+          shorts.push_back(b);
+          continue;
+        }
+        const int64_t i = std::lower_bound(dc, dc + nl, x) - dc;  // bisect_left
+        if (i >= nl) {
+          fine = false;  // no level holds it: the Python path says so
+          break;
+        }
+        o.mbs.push_back({{b}, lv[i]});
+      }
+      if (fine && !shorts.empty())
+        for (auto& bin : ffd_bins(shorts, len, cap)) o.mbs.push_back({std::move(bin), 0});
+      for (const auto& mb : o.mbs) {
+        if (!fine) break;
+        const int64_t rs = mb.second;
+        if (rs < 0 || rs >= C) {
+          fine = false;
+          break;
+        }
+        int64_t s2 = 0, tok = 0;
+        for (int64_t b : mb.first) {
+          s2 += len[b] * len[b];
+          tok += len[b];
+        }
+        const double S2 = static_cast<double>(s2), TT = static_cast<double>(tok);
+        if (!(TT <= cp[rs] * (1 + 1e-12))) fine = false;
+        o.pipe += mb_time(cf + 8 * rs, S2, TT, static_cast<int64_t>(mb.first.size()), attn_bwd_factor);
+      }
+      o.python = !fine;
+    }
+  }
+  py::list res;
+  for (int64_t k = 0; k < R; ++k) {
+    if (out[k].python) {
+      res.append(py::none());
+      continue;
+    }
+    py::list mbs;
+    for (const auto& mb : out[k].mbs) mbs.append(py::make_tuple(py::cast(mb.first), mb.second));
+    res.append(py::make_tuple(out[k].pipe, mbs));
+  }
+  return res;
 }
 
 void register_mix_dp(py::module_& m) {
   m.def("price_single_stage", &price_single_stage, py::arg("lengths"), py::arg("mbs"), py::arg("coef"), py::arg("caps"),
         py::arg("attn_bwd_factor"));
+  m.def("pack_single_stage", &pack_single_stage, py::arg("lengths"), py::arg("order"), py::arg("docs"),
+        py::arg("type_of"), py::arg("cap_mb"), py::arg("levels"), py::arg("doc_caps"), py::arg("n_levels"),
+        py::arg("coef"), py::arg("caps"), py::arg("attn_bwd_factor"));
   m.def("first_fit_decreasing", &first_fit_decreasing, py::arg("docs"), py::arg("sizes"), py::arg("cap"));
   m.def("mix_dynamic_program", &mix_dynamic_program, py::arg("cum"), py::arg("alone"), py::arg("first"),
         py::arg("start_ok"), py::arg("sync"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("size"),

@@ -54,7 +54,7 @@ from dcp_ext.planning.planners.common import (
     finish_replica,
     extreme_batches,
     make_type_table,
-    pack_replica,
+    pack_and_price,
     parse_layout,
     place,
     sample_batches,
@@ -510,12 +510,7 @@ class AdaptivePlanner(PlannerBase):
         else:
             docs = self._stage1(prep, counts, placement, sync, order, j_of_pos)
         # stage 2: pack, choose recompute, price exactly
-        out = []
-        for k, (lay, ranks) in enumerate(placement):
-            orig = [prep.order_list[p] for p in docs[k]]
-            mbs = pack_replica(self.cm, self.pool_tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
-            out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
-        return out
+        return pack_and_price(self.cm, self.pool_tables, prep, placement, docs)
 
     def _stage1_cpp(self, stage1, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
                     j_of_pos) -> list[list[int]]:

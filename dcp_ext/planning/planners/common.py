@@ -466,6 +466,60 @@ def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray
     return PackedReplica(lay, ranks, mbs, pipe + sync, pipe, sync, peak)
 
 
+def pack_and_price(cm: CostModel, tables: dict, prep, placement, docs: list[list[int]]) -> list[PackedReplica]:
+    """Stage 2 of a full plan: every replica of `placement` (layout, ranks) packed
+    (pack_replica) and priced (finish_replica) from stage 1's `docs` (sorted positions per
+    replica; `prep`: the batch's BatchPrep). Single-stage replicas with memory linear in
+    tokens go to the C++ kernel in one call (csrc/planner.cpp, equal to these two
+    functions); the rest, and any replica the kernel hands back, run them here."""
+    R = len(placement)
+    fast = _pack_single_stage(cm, tables, prep, placement, docs)
+    out = []
+    for k, (lay, ranks) in enumerate(placement):
+        got = fast[k] if fast is not None else None
+        if got is not None:
+            pipe, mbs = got
+            sync = cm.sync_time(lay, R)
+            out.append(PackedReplica(lay, ranks, mbs, pipe + sync, pipe, sync, 0.0))
+            continue
+        orig = [prep.order_list[p] for p in docs[k]]
+        mbs = pack_replica(cm, tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
+        out.append(finish_replica(cm, tables[lay], ranks, prep.s_list, mbs, R))
+    return out
+
+
+def _pack_single_stage(cm: CostModel, tables: dict, prep, placement, docs) -> list | None:
+    """The kernel pack_single_stage on the placement's single-stage linear-memory replicas:
+    per replica None (the Python path runs it) or (pipeline seconds, micro-batches); None
+    where the kernel is not built (or DCP_ASSIGN_IMPL=python)."""
+    run = kernel("pack_single_stage")
+    if run is None or not placement:
+        return None
+    index: dict[Layout, int] = {}
+    for lay, _ in placement:
+        tt = tables[lay]
+        if lay not in index and tt.pp == 1 and not tt.quadratic and not cm.quadratic(lay):
+            index[lay] = len(index)
+    if not index:
+        return None
+    tts = [tables[lay] for lay in index]
+    L = max(len(tt.allowed_rs) for tt in tts)
+    C = max(tt.layers_per_stage + 1 for tt in tts)
+    levels = np.zeros((len(tts), L), dtype=np.int64)
+    doc_caps = np.full((len(tts), L), np.inf)
+    coef = np.zeros((len(tts), C, 8))
+    caps = np.full((len(tts), C), -np.inf)
+    for t, tt in enumerate(tts):
+        n, c = len(tt.allowed_rs), tt.layers_per_stage + 1
+        levels[t, :n] = tt.allowed_rs
+        doc_caps[t, :n] = tt.doc_caps
+        coef[t, :c] = cm.coeff_table(tt.layout, c)
+        caps[t, :c] = tt.caps_by_level()
+    type_of = np.array([index.get(lay, -1) for lay, _ in placement], dtype=np.int64)
+    return run(prep.s, prep.order, docs, type_of, np.array([tt.cap_mb for tt in tts], dtype=float), levels, doc_caps,
+               np.array([len(tt.allowed_rs) for tt in tts], dtype=np.int64), coef, caps, ATTN_BWD_FACTOR)
+
+
 def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[PackedReplica], cm: CostModel) -> IterationPlan:
     out = []
     for r in reps:
