@@ -79,9 +79,21 @@ struct Stage1 {
     times[k] = t(k).finish(sync[k], work[k], big[k]);
   }
 
-  // replicas by estimated finish, earliest first (sorted() is stable: ties by index)
-  std::vector<int64_t> earliest(std::vector<int64_t> ks) const {
-    std::stable_sort(ks.begin(), ks.end(), [&](int64_t a, int64_t b) { return times[a] < times[b]; });
+  // the first m replicas of ks (ascending indices) by estimated finish, earliest first:
+  // sorted() is stable, so ties go by index. A partial sort, not a full one (this runs on
+  // every move); a NaN time, which a stable sort places by its own rules, takes the full sort.
+  std::vector<int64_t> earliest(std::vector<int64_t> ks, int64_t m) const {
+    const size_t keep = static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(m, static_cast<int64_t>(ks.size()))));
+    bool nan = false;
+    for (int64_t k : ks) nan = nan || std::isnan(times[k]);
+    if (nan) {
+      std::stable_sort(ks.begin(), ks.end(), [&](int64_t a, int64_t b) { return times[a] < times[b]; });
+    } else {
+      std::partial_sort(ks.begin(), ks.begin() + keep, ks.end(), [&](int64_t a, int64_t b) {
+        return times[a] < times[b] || (times[a] == times[b] && a < b);
+      });
+    }
+    ks.resize(keep);
     return ks;
   }
 
@@ -169,8 +181,8 @@ struct Stage1 {
       bool found = false;
       double best_m = 0.0;
       int64_t best_i = -1, best_lo = -1;
-      const auto targets = earliest(all);
-      for (int64_t x = 0; x < std::min<int64_t>(move_targets, R_); ++x) {
+      const auto targets = earliest(all, move_targets);
+      for (int64_t x = 0; x < static_cast<int64_t>(targets.size()); ++x) {
         const int64_t lo = targets[x];
         if (lo == hi || t_hi - times[lo] <= 1e-9 * t_hi) continue;
         const Type& tl = t(lo);
@@ -215,8 +227,8 @@ struct Stage1 {
       if (type_of[k] == type_of[hi]) same_type.push_back(k);
     }
     std::vector<int64_t> cands;
-    for (const auto& group : {earliest(same_type), earliest(all)})
-      for (int64_t x = 0; x < std::min<int64_t>(move_targets, static_cast<int64_t>(group.size())); ++x)
+    for (const auto& group : {earliest(same_type, move_targets), earliest(all, move_targets)})
+      for (int64_t x = 0; x < static_cast<int64_t>(group.size()); ++x)
         if (std::find(cands.begin(), cands.end(), group[x]) == cands.end()) cands.push_back(group[x]);
     // the sync as recovered from k's current time, as the reference does (the bits differ)
     auto base_of = [&](int64_t k) {

@@ -521,8 +521,11 @@ def _pack_single_stage(cm: CostModel, tables: dict, prep, placement, docs) -> li
 
 
 def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[PackedReplica], cm: CostModel) -> IterationPlan:
+    ids = sample_ids.tolist() if isinstance(sample_ids, np.ndarray) else [int(x) for x in sample_ids]
     out = []
     for r in reps:
+        layers = {rs: cm.recompute_layers(r.layout, rs) for rs in {rs for _, rs in r.micro_batches}}
+        strategies = r.layer_strategies or [None] * len(r.micro_batches)
         out.append(
             ReplicaPlan(
                 ranks=list(r.ranks),
@@ -530,9 +533,8 @@ def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[Pack
                 cp=r.layout.cp,
                 pp=r.layout.pp,
                 micro_batches=[
-                    MicroBatchPlan([int(sample_ids[d]) for d in docs], cm.recompute_layers(r.layout, rs),
-                                   r.layer_strategies[i] if r.layer_strategies else None)
-                    for i, (docs, rs) in enumerate(r.micro_batches)
+                    MicroBatchPlan([ids[d] for d in docs], layers[rs], st)
+                    for (docs, rs), st in zip(r.micro_batches, strategies)
                 ],
                 predicted_time_s=float(r.time_s),
                 stage_layers=list(r.stage_layers) if r.stage_layers else None,
@@ -540,7 +542,7 @@ def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[Pack
         )
     return IterationPlan(
         index=index,
-        sample_ids=[int(x) for x in sample_ids],
+        sample_ids=ids,
         replicas=out,
         predicted_time_s=float(max((r.time_s for r in reps), default=0.0)) + cm.iteration_overhead_s,
     )
