@@ -565,32 +565,99 @@ std::vector<std::vector<int64_t>> ffd_bins(const std::vector<int64_t>& items, co
   return bins;
 }
 
-// Stage 2 of a full plan for its single-stage replicas with memory linear in tokens, in one
-// call: planners/common.pack_replica (a document longer than the micro-batch cap runs alone
-// at the least recompute whose cap holds it, TypeTable.rs_planned; the rest packed by
-// FFD) and then finish_replica's pricing, replica by replica. docs[k]: replica k's sorted
-// positions (stage 1's output); order: sorted position -> batch position; lengths by batch
-// position. Per type t: cap_mb[t], its allowed levels (levels[t, :n_levels[t]]) with their
-// caps doc_caps[t, :], coef[t] and caps[t] as price_single_stage's. type_of[k] < 0: not
-// here. Per replica: None where the Python path must run it (not here, a document no level
-// holds, a micro-batch over its cap), else (pipe, [(batch positions, rs), ...]).
-py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py::list& docs, const IntArr& type_of,
-                           const Arr& cap_mb, const IntArr& levels, const Arr& doc_caps, const IntArr& n_levels,
-                           const Arr& coef, const Arr& caps, double attn_bwd_factor) {
+// planners/common.pack_replica's pipelined branch without a memory check: m micro-batches
+// (balancing bubble against the per-micro-batch constant), filled longest first, each
+// document into the least loaded bin with token room (up to 8 fuller ones set aside),
+// else a new bin. heapq pops the least (load, bin) and bins are unique, so any priority
+// queue pops the same. `items`: (batch position, sorted position) in the replica's order;
+// cost: the type's stage cost per sorted position. false where the count is not finite.
+bool lpt_bins(const std::vector<std::pair<int64_t, int64_t>>& items, const int64_t* len, const double* cost,
+              double cap, int64_t pp, double c0, std::vector<std::vector<int64_t>>& bins) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  double w = 0.0;
+  int64_t tok = 0;
+  for (const auto& it : items) {
+    w += cost[it.second];
+    tok += len[it.first];
+  }
+  const double tokens = static_cast<double>(tok);
+  const double m_mem = cap > 0 ? std::ceil(1.0 * tokens / cap) : static_cast<double>(n);
+  const double m_opt = c0 > 0 ? std::nearbyint(std::sqrt(static_cast<double>(pp - 1) * w / c0)) : static_cast<double>(n);
+  if (!std::isfinite(m_mem) || !std::isfinite(m_opt)) return false;
+  double md = std::max(std::max(m_mem, m_opt), 1.0);
+  md = std::max(1.0, std::min(md, static_cast<double>(n)));
+  const int64_t m = static_cast<int64_t>(md);
+  struct Entry {
+    double load;
+    int64_t bin;
+    double tokens;
+    bool operator>(const Entry& o) const { return load > o.load || (load == o.load && bin > o.bin); }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  bins.assign(m, {});
+  for (int64_t i = 0; i < m; ++i) heap.push({0.0, i, 0.0});
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return -len[items[a].first] < -len[items[b].first]; });
+  std::vector<Entry> aside;
+  for (int64_t i : order) {
+    const double x = static_cast<double>(len[items[i].first]);
+    const double c = cost[items[i].second];
+    auto takes = [&](const Entry& e) { return e.tokens + x <= cap; };
+    aside.clear();
+    while (!heap.empty() && !takes(heap.top()) && aside.size() < 8) {
+      aside.push_back(heap.top());
+      heap.pop();
+    }
+    Entry e;
+    if (!heap.empty() && takes(heap.top())) {
+      e = heap.top();
+      heap.pop();
+    } else {
+      bins.push_back({});
+      e = {0.0, static_cast<int64_t>(bins.size()) - 1, 0.0};
+    }
+    bins[e.bin].push_back(items[i].first);
+    heap.push({e.load + c, e.bin, e.tokens + x});
+    for (const Entry& a : aside) heap.push(a);
+  }
+  bins.erase(std::remove_if(bins.begin(), bins.end(), [](const std::vector<int64_t>& b) { return b.empty(); }),
+             bins.end());
+  return true;
+}
+
+// Stage 2 of a full plan for its replicas with memory linear in tokens, in one call:
+// planners/common.pack_replica (a document longer than the type's longest packed one runs
+// alone at the least recompute whose cap holds it, TypeTable.rs_planned; the rest packed by
+// FFD, or on pipelines by lpt_bins), then, for single-stage replicas, finish_replica's
+// pricing. docs[k]: replica k's sorted positions (stage 1's output); order: sorted position
+// -> batch position; lengths by batch position. Per type t: cap_mb[t], pp[t], its allowed
+// levels (levels[t, :n_levels[t]]) with their caps doc_caps[t, :] (TypeTable.doc_caps),
+// coef[t] and caps[t] as price_single_stage's, stage costs cost[t] per sorted position.
+// type_of[k] < 0: not here. Per replica: None where the Python path must run it (not here,
+// a document no level holds, a micro-batch over its cap), else (pipe, [(batch positions,
+// rs), ...]) with pipe = NaN on pipelines (finish_replica prices them).
+py::list pack_replicas(const IntArr& lengths, const IntArr& order, const py::list& docs, const IntArr& type_of,
+                       const Arr& cap_mb, const IntArr& pp, const IntArr& levels, const Arr& doc_caps,
+                       const IntArr& n_levels, const Arr& coef, const Arr& caps, const Arr& cost,
+                       double attn_bwd_factor) {
   const int64_t R = type_of.shape(0), T = cap_mb.shape(0);
   if (static_cast<int64_t>(py::len(docs)) != R) throw py::value_error("one document list per replica");
   if (levels.ndim() != 2 || levels.shape(0) != T || doc_caps.ndim() != 2 || doc_caps.shape(0) != T ||
-      doc_caps.shape(1) != levels.shape(1) || n_levels.shape(0) != T)
-    throw py::value_error("levels and doc_caps must be [types, L], n_levels [types]");
+      doc_caps.shape(1) != levels.shape(1) || n_levels.shape(0) != T || pp.shape(0) != T)
+    throw py::value_error("levels and doc_caps must be [types, L], n_levels and pp [types]");
   if (coef.ndim() != 3 || coef.shape(0) != T || coef.shape(2) != 8 || caps.ndim() != 2 || caps.shape(0) != T ||
-      caps.shape(1) != coef.shape(1))
+      caps.shape(1) != coef.shape(1) || coef.shape(1) < 1)
     throw py::value_error("coef must be [types, levels, 8] and caps [types, levels]");
   const int64_t L = levels.shape(1), C = caps.shape(1), n_len = lengths.shape(0), n_ord = order.shape(0);
+  if (cost.ndim() != 2 || cost.shape(0) != T || cost.shape(1) != n_ord)
+    throw py::value_error("cost must be [types, documents]");
   const int64_t* len = lengths.data();
   const int64_t* ord = order.data();
   const int64_t* tof = type_of.data();
   // read the positions first (Python objects), then pack and price without the GIL
-  std::vector<std::vector<int64_t>> items(R);
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> items(R);  // (batch position, sorted position)
   for (int64_t k = 0; k < R; ++k) {
     if (tof[k] < 0) continue;
     if (tof[k] >= T) throw std::out_of_range("type index outside the tables");
@@ -599,7 +666,7 @@ py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py:
       if (pos < 0 || pos >= n_ord) throw std::out_of_range("position outside the batch");
       const int64_t b = ord[pos];
       if (b < 0 || b >= n_len) throw std::out_of_range("batch position outside the lengths");
-      items[k].push_back(b);
+      items[k].push_back({b, pos});
     }
   }
   struct Out {
@@ -610,25 +677,28 @@ py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py:
   std::vector<Out> out(R);
   {
     py::gil_scoped_release nogil;
+    std::vector<std::pair<int64_t, int64_t>> shorts;
+    std::vector<int64_t> short_b;
+    std::vector<std::vector<int64_t>> bins;
     for (int64_t k = 0; k < R; ++k) {
       const int64_t t = tof[k];
-      if (t < 0 || items[k].empty()) {
-        out[k].python = t < 0;
-        continue;
-      }
+      Out& o = out[k];
+      if (t < 0) continue;
+      o.python = false;
+      if (items[k].empty()) continue;
       const double cap = cap_mb.data()[t];
       const int64_t* lv = levels.data() + L * t;
       const double* dc = doc_caps.data() + L * t;
       const int64_t nl = n_levels.data()[t];
       const double* cf = coef.data() + C * 8 * t;
       const double* cp = caps.data() + C * t;
-      Out& o = out[k];
-      std::vector<int64_t> shorts;
+      const bool pipelined = pp.data()[t] > 1;
+      shorts.clear();
       bool fine = true;
-      for (int64_t b : items[k]) {
-        const double x = static_cast<double>(len[b]);
+      for (const auto& it : items[k]) {
+        const double x = static_cast<double>(len[it.first]);
         if (!(x > cap)) {
-          shorts.push_back(b);
+          shorts.push_back(it);
           continue;
         }
         const int64_t i = std::lower_bound(dc, dc + nl, x) - dc;  // bisect_left
@@ -636,10 +706,24 @@ py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py:
           fine = false;  // no level holds it: the Python path says so
           break;
         }
-        o.mbs.push_back({{b}, lv[i]});
+        o.mbs.push_back({{it.first}, lv[i]});
       }
-      if (fine && !shorts.empty())
-        for (auto& bin : ffd_bins(shorts, len, cap)) o.mbs.push_back({std::move(bin), 0});
+      if (fine && !shorts.empty()) {
+        if (pipelined) {
+          fine = lpt_bins(shorts, len, cost.data() + n_ord * t, cap, pp.data()[t], cf[0], bins);
+        } else {
+          short_b.clear();
+          for (const auto& it : shorts) short_b.push_back(it.first);
+          bins = ffd_bins(short_b, len, cap);
+        }
+        if (fine)
+          for (auto& bin : bins) o.mbs.push_back({std::move(bin), 0});
+      }
+      if (pipelined) {
+        o.pipe = std::numeric_limits<double>::quiet_NaN();
+        o.python = !fine;
+        continue;
+      }
       for (const auto& mb : o.mbs) {
         if (!fine) break;
         const int64_t rs = mb.second;
@@ -675,9 +759,9 @@ py::list pack_single_stage(const IntArr& lengths, const IntArr& order, const py:
 void register_mix_dp(py::module_& m) {
   m.def("price_single_stage", &price_single_stage, py::arg("lengths"), py::arg("mbs"), py::arg("coef"), py::arg("caps"),
         py::arg("attn_bwd_factor"));
-  m.def("pack_single_stage", &pack_single_stage, py::arg("lengths"), py::arg("order"), py::arg("docs"),
-        py::arg("type_of"), py::arg("cap_mb"), py::arg("levels"), py::arg("doc_caps"), py::arg("n_levels"),
-        py::arg("coef"), py::arg("caps"), py::arg("attn_bwd_factor"));
+  m.def("pack_replicas", &pack_replicas, py::arg("lengths"), py::arg("order"), py::arg("docs"),
+        py::arg("type_of"), py::arg("cap_mb"), py::arg("pp"), py::arg("levels"), py::arg("doc_caps"),
+        py::arg("n_levels"), py::arg("coef"), py::arg("caps"), py::arg("cost"), py::arg("attn_bwd_factor"));
   m.def("first_fit_decreasing", &first_fit_decreasing, py::arg("docs"), py::arg("sizes"), py::arg("cap"));
   m.def("mix_dynamic_program", &mix_dynamic_program, py::arg("cum"), py::arg("alone"), py::arg("first"),
         py::arg("start_ok"), py::arg("sync"), py::arg("pp"), py::arg("c0"), py::arg("mb_full"), py::arg("size"),

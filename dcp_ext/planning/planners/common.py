@@ -136,6 +136,23 @@ class DocCosts:
     rs: np.ndarray  # recompute level it needs alone (-1: does not fit)
 
 
+def _level_groups(idx: np.ndarray):
+    """(level, selection) for every level present in `idx`: slices where idx runs in
+    order (a batch sorted longest first: each level is one run), else boolean masks."""
+    if len(idx) == 0:
+        return
+    steps = np.diff(idx)
+    if (steps <= 0).all() or (steps >= 0).all():
+        change = np.flatnonzero(steps) + 1
+        starts = np.concatenate([[0], change]).tolist()
+        ends = np.concatenate([change, [len(idx)]]).tolist()
+        for a, b in zip(starts, ends):
+            yield int(idx[a]), slice(a, b)
+        return
+    for k in np.unique(idx):
+        yield int(k), idx == k
+
+
 def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
     n = len(s)
     cost = np.full(n, np.inf)
@@ -143,10 +160,9 @@ def doc_costs(cm: CostModel, tt: TypeTable, s: np.ndarray) -> DocCosts:
     rs_arr = np.full(n, -1, dtype=np.int64)
     idx = np.searchsorted(np.asarray(tt.doc_caps), s, side="left")
     sf = s.astype(float)
-    for k in np.unique(idx):
+    for k, sel in _level_groups(idx):
         if k >= len(tt.allowed_rs):
             continue
-        sel = idx == k
         rs = tt.allowed_rs[int(k)]
         co = cm.coeffs(tt.layout, rs)
         ss = sf[sel]
@@ -469,18 +485,22 @@ def finish_replica(cm: CostModel, tt: TypeTable, ranks: list[int], s: np.ndarray
 def pack_and_price(cm: CostModel, tables: dict, prep, placement, docs: list[list[int]]) -> list[PackedReplica]:
     """Stage 2 of a full plan: every replica of `placement` (layout, ranks) packed
     (pack_replica) and priced (finish_replica) from stage 1's `docs` (sorted positions per
-    replica; `prep`: the batch's BatchPrep). Single-stage replicas with memory linear in
-    tokens go to the C++ kernel in one call (csrc/planner.cpp, equal to these two
-    functions); the rest, and any replica the kernel hands back, run them here."""
+    replica; `prep`: the batch's BatchPrep). Replicas with memory linear in tokens are
+    packed by the C++ kernel in one call (csrc/planner.cpp, equal to pack_replica), which
+    also prices the single-stage ones (equal to finish_replica); the rest, and any replica
+    the kernel hands back, run these two functions here."""
     R = len(placement)
-    fast = _pack_single_stage(cm, tables, prep, placement, docs)
+    fast = _pack_by_kernel(cm, tables, prep, placement, docs)
     out = []
     for k, (lay, ranks) in enumerate(placement):
         got = fast[k] if fast is not None else None
         if got is not None:
             pipe, mbs = got
-            sync = cm.sync_time(lay, R)
-            out.append(PackedReplica(lay, ranks, mbs, pipe + sync, pipe, sync, 0.0))
+            if lay.pp == 1:
+                sync = prep.sync(lay, R)
+                out.append(PackedReplica(lay, ranks, mbs, pipe + sync, pipe, sync, 0.0))
+            else:
+                out.append(finish_replica(cm, tables[lay], ranks, prep.s_list, mbs, R))
             continue
         orig = [prep.order_list[p] for p in docs[k]]
         mbs = pack_replica(cm, tables[lay], prep.s_list, orig, stage_cost=prep.cost_by_position(lay))
@@ -488,17 +508,17 @@ def pack_and_price(cm: CostModel, tables: dict, prep, placement, docs: list[list
     return out
 
 
-def _pack_single_stage(cm: CostModel, tables: dict, prep, placement, docs) -> list | None:
-    """The kernel pack_single_stage on the placement's single-stage linear-memory replicas:
-    per replica None (the Python path runs it) or (pipeline seconds, micro-batches); None
-    where the kernel is not built (or DCP_ASSIGN_IMPL=python)."""
-    run = kernel("pack_single_stage")
+def _pack_by_kernel(cm: CostModel, tables: dict, prep, placement, docs) -> list | None:
+    """The kernel pack_replicas on the placement's replicas with memory linear in tokens:
+    per replica None (the Python path runs it) or (pipeline seconds, NaN on pipelines,
+    micro-batches); None where the kernel is not built (or DCP_ASSIGN_IMPL=python)."""
+    run = kernel("pack_replicas")
     if run is None or not placement:
         return None
     index: dict[Layout, int] = {}
     for lay, _ in placement:
         tt = tables[lay]
-        if lay not in index and tt.pp == 1 and not tt.quadratic and not cm.quadratic(lay):
+        if lay not in index and not tt.quadratic and not cm.quadratic(lay):
             index[lay] = len(index)
     if not index:
         return None
@@ -515,9 +535,11 @@ def _pack_single_stage(cm: CostModel, tables: dict, prep, placement, docs) -> li
         doc_caps[t, :n] = tt.doc_caps
         coef[t, :c] = cm.coeff_table(tt.layout, c)
         caps[t, :c] = tt.caps_by_level()
+    cost = np.stack([prep.types[lay].cost for lay in index]) if prep.n else np.zeros((len(tts), 0))
     type_of = np.array([index.get(lay, -1) for lay, _ in placement], dtype=np.int64)
-    return run(prep.s, prep.order, docs, type_of, np.array([tt.cap_mb for tt in tts], dtype=float), levels, doc_caps,
-               np.array([len(tt.allowed_rs) for tt in tts], dtype=np.int64), coef, caps, ATTN_BWD_FACTOR)
+    return run(prep.s, prep.order, docs, type_of, np.array([tt.cap_mb for tt in tts], dtype=float),
+               np.array([tt.pp for tt in tts], dtype=np.int64), levels, doc_caps,
+               np.array([len(tt.allowed_rs) for tt in tts], dtype=np.int64), coef, caps, cost, ATTN_BWD_FACTOR)
 
 
 def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[PackedReplica], cm: CostModel) -> IterationPlan:
