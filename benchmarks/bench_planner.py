@@ -13,6 +13,7 @@ and prints the mean absolute error on held-out lengths (goal: <= 15% on the CPU 
 
     python benchmarks/bench_planner.py                      # h200x64 and h200x1024
     python benchmarks/bench_planner.py --large              # and h200x4096, 256M-token batches
+    python benchmarks/bench_planner.py --large --settings "code 256M" --reference-plans-only --iterations 3
     python benchmarks/bench_planner.py --compare-planners
     python benchmarks/bench_planner.py --settings "code 4M" --layer-strategies --no-reference   # issue 16's point
     python benchmarks/bench_planner.py --profile cache/profile-demo.json
@@ -96,10 +97,12 @@ def corpus(path: str, max_seq: int, tokens: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = False) -> dict:
+def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = False, planner=None) -> dict:
     """Build the adaptive planner and plan `iterations` batches with the C++ kernels
     ("cpp") or the Python reference ("python"); `layer_strategies`: with
-    --dcp-layer-strategies on (each micro-batch's layers may re-factor their tp*cp)."""
+    --dcp-layer-strategies on (each micro-batch's layers may re-factor their tp*cp).
+    `planner`: plan with this one (built by the other engine; reset first) instead of
+    building one (build time NaN); the result's "planner" is the one that planned."""
     _, model, cluster, path, tokens, max_seq = setting
     before = os.environ.get("DCP_ASSIGN_IMPL")
     os.environ["DCP_ASSIGN_IMPL"] = impl
@@ -107,10 +110,14 @@ def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = F
         lengths = corpus(path, max_seq, tokens * iterations)
         batches = global_batches(lengths.tolist(), tokens, max_seq, count=iterations)
         t0 = time.perf_counter()
-        p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq,
-                         global_batch_tokens=tokens, length_sample=lengths,
-                         **({"layer_strategies": True} if layer_strategies else {}))
-        build = time.perf_counter() - t0
+        if planner is None:
+            p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster),
+                             max_seq_len=max_seq, global_batch_tokens=tokens, length_sample=lengths,
+                             **({"layer_strategies": True} if layer_strategies else {}))
+            build = time.perf_counter() - t0
+        else:
+            p, build = planner, float("nan")
+            p.reset()
         ts, predicted = [], []
         for i, ids in enumerate(batches):
             t = time.perf_counter()
@@ -122,23 +129,31 @@ def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = F
             os.environ.pop("DCP_ASSIGN_IMPL", None)
         else:
             os.environ["DCP_ASSIGN_IMPL"] = before
-    return dict(build=build, median=1000 * float(np.median(ts)), max=1000 * float(np.max(ts)), predicted=predicted)
+    return dict(build=build, median=1000 * float(np.median(ts)), max=1000 * float(np.max(ts)), predicted=predicted,
+                planner=p)
 
 
-def compare_engines(settings, iterations: int, reference: bool, layer_strategies: bool = False) -> None:
+def compare_engines(settings, iterations: int, reference: bool, layer_strategies: bool = False,
+                    reference_builds: bool = True) -> None:
+    """`reference_builds` False: the Python reference plans on the pool the kernels built
+    (the build's kernels equal their reference, tests/test_planner_kernels.py), so only
+    the per-iteration times are compared (the reference build at h200x4096 takes long)."""
     print(f"{'setting':17s} {'cluster':9s} {'engine':7s} {'build s':>8s} {'plan median ms':>15s} {'plan max ms':>12s} "
           f"{'predicted s':>12s}", flush=True)
     for setting in settings:
         res = {}
         for impl in ("cpp", "python") if reference else ("cpp",):
-            r = res[impl] = engine_times(setting, impl, iterations, layer_strategies)
+            built = res["cpp"]["planner"] if impl == "python" and not reference_builds else None
+            r = res[impl] = engine_times(setting, impl, iterations, layer_strategies, planner=built)
             print(f"{setting[0]:17s} {setting[2]:9s} {impl:7s} {r['build']:8.1f} {r['median']:15.1f} {r['max']:12.1f} "
                   f"{float(np.mean(r['predicted'])):12.4f}", flush=True)
         if reference:
             c, py = res["cpp"], res["python"]
             same = "the same plans' times" if c["predicted"] == py["predicted"] else "PREDICTED TIMES DIFFER"
-            print(f"{'':17s} {'':9s} {'py/cpp':7s} {py['build'] / c['build']:7.1f}x {py['median'] / c['median']:14.1f}x "
+            build = f"{py['build'] / c['build']:7.1f}x" if reference_builds else f"{'(same)':>8s}"
+            print(f"{'':17s} {'':9s} {'py/cpp':7s} {build} {py['median'] / c['median']:14.1f}x "
                   f"{py['max'] / c['max']:11.1f}x  {same}", flush=True)
+        res.clear()  # the planners (gigabytes at h200x4096) go before the next setting
 
 
 def compare_planners(iterations: int, names, data: str) -> None:
@@ -158,6 +173,8 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--large", action="store_true", help="also h200x4096 with 256M-token batches")
     ap.add_argument("--no-reference", action="store_true", help="the C++ kernels only (the reference is slow at scale)")
+    ap.add_argument("--reference-plans-only", action="store_true",
+                    help="the Python reference plans on the pool the kernels built (its own build is not timed)")
     ap.add_argument("--compare-planners", action="store_true", help="every planner's build and planning times")
     ap.add_argument("--layer-strategies", action="store_true",
                     help="the adaptive planner with layer strategies on (--dcp-layer-strategies on)")
@@ -183,7 +200,8 @@ def main() -> int:
         settings = [st for st in settings if st[0] in wanted]
     if a.layer_strategies:
         print("layer strategies on")
-    compare_engines(settings, a.iterations, not a.no_reference, a.layer_strategies)
+    compare_engines(settings, a.iterations, not a.no_reference, a.layer_strategies,
+                    reference_builds=not a.reference_plans_only)
     return 0
 
 

@@ -102,6 +102,17 @@ def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path):
     assert "candidate pool chosen again from the measured prices" in r.stdout, r.stdout[-3000:]
     assert "memory beyond the model at rest" in r.stdout
     assert sorted(read_plan_log(plans)) == [0, 1, 2, 3, 4]
+    # the loss log splits the exposed wait: each replica's measured forward+backward beside
+    # its predicted time, one per replica of that iteration's plan
+    with open(plans) as f:
+        by_index = {p["index"]: p for p in map(json.loads, f)}
+    records = read_loss_log(log)
+    assert len(records) == 5
+    for rec in records:
+        plan = by_index[rec["iteration"] - 1]
+        assert rec["replica_predicted_s"] == [round(r["predicted_time_s"], 6) for r in plan["replicas"]]
+        assert len(rec["replica_compute_s"]) == len(plan["replicas"])
+        assert all(0.0 < c <= rec["elapsed_s"] for c in rec["replica_compute_s"]), rec
     created = {rank: read_loss_log(f"{groups}.{rank}") for rank in range(4)}
     assert all(created.values()) and len({len(c) for c in created.values()}) == 1
     assert not any(c["iterations_done"] > 0 for cs in created.values() for c in cs)

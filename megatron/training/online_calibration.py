@@ -20,6 +20,7 @@ class OnlineCalibration:
         self.device = device
         self.peak_memory = peak_memory
         self.calibration = Calibration()
+        self.last = None  # the last step's StepTimings (the same on every rank)
         planner.calibrate_online(self.calibration)
 
     def charge_at_rest(self, engine) -> float:
@@ -52,8 +53,18 @@ class OnlineCalibration:
         """Queue iteration `it`'s timings (collective: every rank calls it after each step)."""
         lengths = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
         t = reduce_step(it, result.timings, wall_s, self.device, self._memory_excess(it, lengths))
+        self.last = t
         self.calibration.add(observe(it, lengths, t.micro_batches, t.sync_s, t.replica_s, t.wall_s,
                                      self.planner.cm.stage_recompute, t.memory_excess))
+
+    def balance_record(self, it) -> dict:
+        """The last step's per-replica forward+backward (measured, summed over its micro-batches
+        and stages) beside the plan's predicted replica times, for the --loss-log line: the
+        exposed wait split into the imbalance the plan predicted and the one it missed."""
+        if self.last is None:
+            return {}
+        return {"replica_compute_s": [round(sum(m), 6) for m in self.last.micro_batches],
+                "replica_predicted_s": [round(r.predicted_time_s, 6) for r in it.replicas]}
 
     def _memory_excess(self, it, lengths: dict) -> float:
         """Bytes this rank held during the step above its replica's predicted peak (0 unmeasured)."""

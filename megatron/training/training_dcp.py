@@ -458,7 +458,8 @@ class AdaptiveSteps:
                                   record={"tokens": sum(batch.lengths), "elapsed_s": elapsed_s,
                                           "bytes_moved": result.bytes_moved, "exposed_comm_s": result.exposed_comm_s,
                                           "exchange_s": result.exchange_s,
-                                          "layout": summary})
+                                          "layout": summary,
+                                          **(self.recalibration.balance_record(it) if self.recalibration else {})})
         if args.dcp_log_plan and dist.get_rank() == 0:
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
