@@ -6,7 +6,10 @@
 //  - the candidate pool's dynamic program (planners/candidates.py);
 //  - stage 2's pricing of a single-stage replica (planners/common.finish_replica for
 //    pp == 1 without quadratic memory: each micro-batch's statistics, the cap check and
-//    the sum of StageCoeffs.mb_time).
+//    the sum of StageCoeffs.mb_time);
+//  - stage 2 of a whole full plan in one call (pack_replicas: planners/common.pack_replica
+//    for every replica with memory linear in tokens, then the pricing above for the
+//    single-stage ones).
 //
 // Why it exists: the planner runs every iteration on every rank beside the step, and
 // builds its pool at every start; these were Python loops over every document, replica
