@@ -5,7 +5,8 @@ the same order, so the adaptive runtime creates every group its pool may need at
 none once training runs. This wrapper lets a test see that from outside the runtime: it
 wraps torch.distributed.new_group/new_subgroups (which megatron-core and the runtime call
 through the module) and counts the iterations the loop has logged, then runs the real entry
-point unchanged. DCP_GROUP_LOG names the file prefix (one `.RANK` file per rank, JSON lines).
+point unchanged. DCP_GROUP_LOG names the file prefix (one `.RANK` file per rank, JSON lines);
+each record also holds the cores the rank ran on then (megatron/training/cpu_binding.py).
 """
 import json
 import os
@@ -22,7 +23,8 @@ iterations_done = [0]
 def _recorded(name, create):
     def wrapped(*args, **kwargs):
         with open(f"{LOG}.{os.environ.get('RANK', '0')}", "a") as f:
-            f.write(json.dumps({"call": name, "iterations_done": iterations_done[0]}) + "\n")
+            f.write(json.dumps({"call": name, "iterations_done": iterations_done[0],
+                                "cores": sorted(os.sched_getaffinity(0))}) + "\n")
         return create(*args, **kwargs)
     return wrapped
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dcp_ext.compat import cpu_compat, mcore_compat
 from megatron.training.argument_errors import ArgumentError
+from megatron.training.cpu_binding import bind_cpu_rank
 from megatron.training.errors import TrainingError
 
 
@@ -37,6 +38,8 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
     world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:  # before gloo starts its threads, which then inherit the binding
+        bind_cpu_rank()
     try:
         dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
     except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
