@@ -22,14 +22,14 @@ CASES = [  # model, cluster, lengths file, max_seq_len, tokens per batch
 ]
 
 
-@pytest.mark.parametrize("model,cluster,data,max_seq_len,tokens", CASES)
-def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, tokens):
+def full_plan_inputs(case, start: int):
+    """(planner, prep, counts, placement, sync, order, j_of_pos): every finite candidate of
+    the case's adaptive planner on two real batches, as _full_plan hands them to stage 1."""
+    model, cluster, data, max_seq_len, tokens = case
     lengths = np.minimum(np.asarray(read_lengths(data)), max_seq_len)
     p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq_len,
                      global_batch_tokens=tokens, length_sample=lengths, sample_count=4)
-    stage1 = kernel("stage1")
-    compared = moved = pipelined = 0
-    for ids in global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=7):
+    for ids in global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=start):
         prep = BatchPrep(p.cm, p.pool_tables, lengths[ids])
         for counts in p.pool.layouts:
             t, order, bounds = screen(prep, counts)
@@ -39,13 +39,24 @@ def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, toke
             sync = [prep.sync(lay, len(placement)) for lay, _ in placement]
             j_of_pos = (np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds
                         else [len(order) - 1] * prep.n)
-            ref = p._stage1(prep, counts, placement, sync, order, j_of_pos)
-            got = p._stage1_cpp(stage1, prep, counts, placement, sync, order, j_of_pos)
-            assert got == ref, counts
-            compared += 1
-            moved += any(d != sorted(d) for d in ref)  # rebalance moved or swapped a document
-            pipelined += any(lay.pp > 1 for lay, _ in placement)
+            yield p, prep, counts, placement, sync, order, j_of_pos
+
+
+@pytest.mark.parametrize("model,cluster,data,max_seq_len,tokens", CASES)
+def test_cpp_stage1_equals_the_reference(model, cluster, data, max_seq_len, tokens):
+    stage1 = kernel("stage1")
+    compared = moved = pipelined = 0
+    for p, prep, counts, placement, sync, order, j_of_pos in full_plan_inputs((model, cluster, data, max_seq_len,
+                                                                               tokens), start=7):
+        ref = p._stage1(prep, counts, placement, sync, order, j_of_pos)
+        got = p._stage1_cpp(stage1, prep, counts, placement, sync, order, j_of_pos)
+        assert got == ref, counts
+        compared += 1
+        moved += any(d != sorted(d) for d in ref)  # rebalance moved or swapped a document
+        pipelined += any(lay.pp > 1 for lay, _ in placement)
     assert compared >= 2 and moved, (compared, moved)
+    if model == "llama2-70b":
+        assert pipelined  # pipelines' finish estimate (bubble, largest document) was exercised
     if model == "llama2-70b":
         assert pipelined  # pipelines' finish estimate (bubble, largest document) was exercised
 
@@ -106,39 +117,26 @@ def test_cpp_stage2_equals_the_reference(model, cluster, data, max_seq_len, toke
     recompute and times, bit for bit; pipelines included (llama2-70b)."""
     from dcp_ext.planning.planners import common
 
-    lengths = np.minimum(np.asarray(read_lengths(data)), max_seq_len)
-    p = make_planner("adaptive", ModelSpec.from_preset(model), ClusterSpec.from_preset(cluster), max_seq_len=max_seq_len,
-                     global_batch_tokens=tokens, length_sample=lengths, sample_count=4)
-    by_kernel = by_python = recomputed = pipelined = 0
-    for ids in global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=5):
-        prep = BatchPrep(p.cm, p.pool_tables, lengths[ids])
-        for counts in p.pool.layouts:
-            t, order, bounds = screen(prep, counts)
-            if not np.isfinite(t):
-                continue
-            placement = p.placements[counts]
-            sync = [prep.sync(lay, len(placement)) for lay, _ in placement]
-            j_of_pos = (np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds
-                        else [len(order) - 1] * prep.n)
-            docs = p._stage1(prep, counts, placement, sync, order, j_of_pos)
-            fast = common._pack_by_kernel(p.cm, p.pool_tables, prep, placement, docs)
-            got = common.pack_and_price(p.cm, p.pool_tables, prep, placement, docs)
-            monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
-            ref = [common.finish_replica(p.cm, p.pool_tables[lay], ranks, prep.s_list,
-                                         common.pack_replica(p.cm, p.pool_tables[lay], prep.s_list,
-                                                             [prep.order_list[q] for q in docs[k]],
-                                                             stage_cost=prep.cost_by_position(lay)), len(placement))
-                   for k, (lay, ranks) in enumerate(placement)]
-            monkeypatch.delenv("DCP_ASSIGN_IMPL")
-            for k, (g, r) in enumerate(zip(got, ref)):
-                assert (g.micro_batches, g.time_s, g.pipeline_s, g.sync_s) == (r.micro_batches, r.time_s, r.pipeline_s,
-                                                                                r.sync_s), (counts, k)
-                if fast is not None and fast[k] is not None:
-                    by_kernel += 1
-                    recomputed += any(rs > 0 for _, rs in g.micro_batches)
-                    pipelined += g.layout.pp > 1
-                else:
-                    by_python += 1
+    by_kernel = recomputed = pipelined = 0
+    for p, prep, counts, placement, sync, order, j_of_pos in full_plan_inputs((model, cluster, data, max_seq_len,
+                                                                               tokens), start=5):
+        docs = p._stage1(prep, counts, placement, sync, order, j_of_pos)
+        fast = common._pack_by_kernel(p.cm, p.pool_tables, prep, placement, docs)
+        got = common.pack_and_price(p.cm, p.pool_tables, prep, placement, docs)
+        monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+        ref = [common.finish_replica(p.cm, p.pool_tables[lay], ranks, prep.s_list,
+                                     common.pack_replica(p.cm, p.pool_tables[lay], prep.s_list,
+                                                         [prep.order_list[q] for q in docs[k]],
+                                                         stage_cost=prep.cost_by_position(lay)), len(placement))
+               for k, (lay, ranks) in enumerate(placement)]
+        monkeypatch.delenv("DCP_ASSIGN_IMPL")
+        for k, (g, r) in enumerate(zip(got, ref)):
+            assert (g.micro_batches, g.time_s, g.pipeline_s, g.sync_s) == (r.micro_batches, r.time_s, r.pipeline_s,
+                                                                            r.sync_s), (counts, k)
+            if fast is not None and fast[k] is not None:
+                by_kernel += 1
+                recomputed += any(rs > 0 for _, rs in g.micro_batches)
+                pipelined += g.layout.pp > 1
     assert by_kernel >= 10, by_kernel
     if model == "llama2-70b":
         assert pipelined  # the kernel packed pipelined replicas (lpt_bins)
