@@ -556,7 +556,7 @@ def to_iteration_plan(index: int, sample_ids: Sequence[int], reps: Sequence[Pack
                 pp=r.layout.pp,
                 micro_batches=[
                     MicroBatchPlan([ids[d] for d in docs], layers[rs], st)
-                    for (docs, rs), st in zip(r.micro_batches, strategies)
+                    for (docs, rs), st in zip(r.micro_batches, strategies, strict=True)
                 ],
                 predicted_time_s=float(r.time_s),
                 stage_layers=list(r.stage_layers) if r.stage_layers else None,
