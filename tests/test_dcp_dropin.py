@@ -281,6 +281,21 @@ def test_gpu_launch_scripts_export_one_cuda_connection_and_the_cpu_one_does_not(
     assert not exports("examples/train_gpt_cpu.sh")
 
 
+def test_the_slurm_script_saves_before_the_time_limit_and_logs_where_it_can():
+    """SLURM signals the job step before its time limit and the ranks save on it (the README's
+    advice for SLURM scripts); the log file's folder exists when SLURM opens it (it does not
+    create folders), so no folder is named."""
+    with open(os.path.join(REPO, "examples/slurm_llama2_7b.sbatch")) as f:
+        text = f.read()
+    signal = re.search(r"^#SBATCH --signal=(B:)?(\w+)@(\d+)$", text, re.M)
+    assert signal and not signal.group(1), "the job step (torchrun), not only the batch shell, gets the signal"
+    assert signal.group(2) in ("TERM", "SIGTERM") and int(signal.group(3)) >= 60  # --exit-signal's default
+    args = text[text.index("ARGS=("):]
+    assert "--exit-signal-handler" in args[:args.index(")\n")]
+    output = re.search(r"^#SBATCH --output=(\S+)$", text, re.M).group(1)
+    assert "/" not in output
+
+
 def _sgd_resume_worker(rank, world):
     import torch
 

@@ -1,7 +1,8 @@
 """Megatron's iteration log line, validation line and TensorBoard scalars.
 
 The iteration line keeps upstream's fields and order so existing log parsers keep
-working; throughput counts causal attention per document (dcp_ext.planning.flops). TensorBoard
+working, and its `lm loss` is upstream's: the mean over the --log-interval window's
+iterations that updated the model (the --loss-log file and TensorBoard keep each iteration's); throughput counts causal attention per document (dcp_ext.planning.flops). TensorBoard
 gets upstream's tags ('lm loss', 'learning-rate', 'batch-size', 'loss-scale',
 'grad-norm', each also '... vs samples'), so existing dashboards keep working.
 """
@@ -23,6 +24,8 @@ class TrainingLogger:
         self.window_time = 0.0
         self.window_iters = 0
         self.window_flops = 0.0
+        self.window_loss = 0.0  # lm loss summed over the window's iterations that updated
+        self.window_advanced = 0
         self.skipped = 0
         self.nan = 0
         self.writer = None
@@ -70,6 +73,9 @@ class TrainingLogger:
         loss = losses["lm loss"]
         if not update_successful:
             self.skipped += 1
+        else:  # as upstream: the line's loss is the mean over the window's iterations that updated
+            self.window_loss += loss
+            self.window_advanced += 1
         if not math.isfinite(loss):
             self.nan += 1
         self.window_time += elapsed_s
@@ -96,6 +102,8 @@ class TrainingLogger:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
         ms = 1000.0 * self.window_time / self.window_iters
+        # every iteration of the window skipped (upstream then leaves the field out): the last loss
+        mean_loss = self.window_loss / self.window_advanced if self.window_advanced else loss
         tflops = self.window_flops / max(self.window_time, 1e-12) / world / 1e12
         line = (
             f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
@@ -106,7 +114,7 @@ class TrainingLogger:
             + f" learning rate: {lr:.6E} |"
             + (f" decoupled learning rate: {decoupled_lr:.6E} |" if decoupled_lr is not None else "")
             + f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {loss:.6E} |"
+            f" lm loss: {mean_loss:.6E} |"
             f" loss scale: {loss_scale:.1f} |"
             f" grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
             f" number of skipped iterations: {self.skipped:3d} |"
@@ -114,6 +122,7 @@ class TrainingLogger:
         )
         print_rank_last(line + extra)
         self.window_time, self.window_iters, self.window_flops = 0.0, 0, 0.0
+        self.window_loss, self.window_advanced = 0.0, 0
         self.skipped = self.nan = 0
 
     def log_validation(self, iteration, loss):
