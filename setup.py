@@ -40,7 +40,7 @@ setup(
     py_modules=["pretrain_gpt_dcp"],
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1",
+        "megatron-core==0.16.1",  # mcore_compat patches its internals: the version it is tested against
         "psutil",
         "numpy",
         "pyyaml",

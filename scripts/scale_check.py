@@ -14,7 +14,7 @@ OK when engine bytes + peak activations fit the capacity, OVER otherwise.
 
 - worst rank: the largest `ModelSpec.local_stage_params(tp, pp)` over the replica types the
   rank belongs to (ties: the rank whose own pipeline stage there is heaviest, then the lowest);
-- data: global batches by DESIGN.md's rule from the shipped length file (default
+- data: global batches by docs/contracts.md's rule from the shipped length file (default
   data/lengths/code_python_cl100k.txt, the same file as /work/shared/data/lengths/);
 - capacity: `CostModel.capacity_bytes` (device memory less --dcp-memory-margin and the GPU
   kind's reserved bytes): the budget the planner packs to and the planner's post-condition (`PlannerBase.plan`)
@@ -221,7 +221,7 @@ def cost_model_bytes(cm, layout) -> dict[str, float]:
 
 
 def activation_peaks(planner, rank: int, lengths, iterations: int) -> dict:
-    """Plan the first `iterations` global batches (DESIGN.md's rule) and take, for the replica
+    """Plan the first `iterations` global batches (docs/contracts.md's rule) and take, for the replica
     holding `rank`, simulate_iteration's peak minus the layout's state."""
     import numpy as np
 

@@ -55,7 +55,7 @@ def test_flags_reach_the_config():
     assert got.cross_entropy_loss_fusion and got.cross_entropy_fusion_impl == "native"
     # --dcp: the only loss that takes the replica's TP group, flag or not
     assert _config(["--dcp", "--dcp-global-batch-tokens", "1024"]).cross_entropy_loss_fusion
-    # the loss rule is per token over the global batch either way (DESIGN.md)
+    # the loss rule is per token over the global batch either way (docs/contracts.md)
     assert plain.calculate_per_token_loss and got.calculate_per_token_loss
 
 

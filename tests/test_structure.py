@@ -1,6 +1,6 @@
 """The package's structure as rules a change cannot break silently.
 
-Why it exists: the rooms of DESIGN.md (planning is pure, the runtime executes plans,
+Why it exists: the rooms of docs/contracts.md (planning is pure, the runtime executes plans,
 nothing in the engine reaches into the training loop) only hold while something checks
 them. The import graph is read with ast from the source (every import, also those inside
 functions), so the check needs no torch and sees lazy imports too.

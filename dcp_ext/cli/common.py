@@ -1,7 +1,7 @@
 """Arguments and data loading shared by dcp-plan and dcp-simulate.
 
 Why it exists: both tools must read the same length file, cut the same global batches
-(DESIGN.md's rule; sample ids are line numbers from 0) and build specs the same way, or
+(docs/contracts.md's rule; sample ids are line numbers from 0) and build specs the same way, or
 their outputs would not describe the same run.
 """
 from __future__ import annotations

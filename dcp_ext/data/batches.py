@@ -3,7 +3,7 @@
 Why: the planner plans iteration i+1 while i trains, so it needs the next batches'
 sample ids and lengths before they are trained; a checkpoint stores one integer
 (consumed samples) and a resumed run must draw exactly the batches an uninterrupted run
-would. The batch rule itself is DESIGN.md's, implemented once in `dcp_ext.planning.batching`.
+would. The batch rule itself is docs/contracts.md's, implemented once in `dcp_ext.planning.batching`.
 
     stream = GlobalBatchStream(train, global_batch_tokens=65536, max_seq_len=4096,
                                consumed_samples=ckpt_consumed)

@@ -175,7 +175,7 @@ def materialize(dataset, sample_ids, **kwargs) -> ThdBatch:
 def num_loss_tokens(dataset, sample_ids, eod_mask_loss: bool = False, eod: int | None = None) -> int:
     """Loss tokens of samples, as build_micro_batch counts them, without packing them.
 
-    The global batch's loss divisor (DESIGN.md, "Loss"), known before the iteration runs.
+    The global batch's loss divisor (docs/contracts.md, "Loss"), known before the iteration runs.
     Plain data without --eod-mask-loss needs only the lengths (sum of L - 1, no .bin read).
     """
     ids = [int(i) for i in sample_ids]

@@ -1,4 +1,4 @@
-"""The global batch rule (DESIGN.md): every strategy trains the same samples per iteration.
+"""The global batch rule (docs/contracts.md): every strategy trains the same samples per iteration.
 
 Lengths are truncated to max_seq_len; samples are taken in dataset order until one more
 would exceed global_batch_tokens (at least one sample per batch); that sample opens the

@@ -2,7 +2,7 @@
 
 Pure data: dataclasses, JSON round trip and a validator that states the invariants every
 plan must hold (each sample exactly once, replicas partition the world, rank counts match
-tp*cp*pp). See DESIGN.md, "Plan", and docs/design.md, "Plan contract v2".
+tp*cp*pp). See docs/contracts.md, "Plan", and docs/design.md, "Plan contract v2".
 v2 adds two optional fields: a replica's `stage_layers` (uneven pipeline stages) and a
 micro-batch's `layer_strategies` (ParaDySe's per-layer (tp, cp) over the replica's ranks,
 re-factored). A plan that uses neither is written as v1, byte for byte as before.

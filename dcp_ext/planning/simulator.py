@@ -4,7 +4,7 @@ Why it exists: planners are compared (and checked) here, with one cost model, so
 speedup means "the same work on the same machine, placed better". Pure: lengths, specs
 and plans in, seconds out.
 
-Iteration model (matches the runtime's structure in DESIGN.md): every replica pulls its
+Iteration model (matches the runtime's structure in docs/contracts.md): every replica pulls its
 parameters from the fixed optimizer sharding, runs its micro-batches through a 1F1B
 pipeline (simulated event by event, micro-batches of different sizes included), then
 pushes its gradients back; replicas run in parallel and the slowest decides:

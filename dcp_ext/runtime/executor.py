@@ -3,7 +3,7 @@
 Every shape is known from the plan (token counts per micro-batch), so stages exchange
 activations with plain point-to-point ops and no shape handshakes. The loss of every
 micro-batch is its token-loss sum times `loss_scale` (1 / the global batch's loss-token
-count), so gradients do not depend on how documents were split (DESIGN.md, "Loss").
+count), so gradients do not depend on how documents were split (docs/contracts.md, "Loss").
 Recompute is chosen per micro-batch by setting the stage config's full-recompute layer
 count for its forward only (megatron-core reads it at forward time; restored after).
 The engine's pull and push streams ride along: every pull must be complete before a

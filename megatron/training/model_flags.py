@@ -177,7 +177,7 @@ def config_fields(args, machine: Optional[Machine] = None) -> dict:
         # the unfused loss reads the global TP group, which --dcp never sets: its replicas use the fused one
         cross_entropy_loss_fusion=bool(args.cross_entropy_loss_fusion or args.dcp),
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl if args.cross_entropy_loss_fusion else "native",
-        calculate_per_token_loss=True,  # DESIGN.md: per token over the global batch, always
+        calculate_per_token_loss=True,  # docs/contracts.md: per token over the global batch, always
         masked_softmax_fusion=bool(args.masked_softmax_fusion and fused and not te),
         bias_activation_fusion=bool(activation_fusion and fused),
         bias_dropout_fusion=bool(args.bias_dropout_fusion and fused),

@@ -3,7 +3,7 @@
 A static layout (TP/PP/CP/DP fixed for the run) drives megatron-core's model, DDP,
 optimizer, LR schedule and forward/backward schedules exactly as upstream Megatron does.
 `--dcp` hands the per-iteration work to the adaptive runtime in `dcp_ext.runtime`.
-Loss is per token over the whole global batch (DESIGN.md, "Loss").
+Loss is per token over the whole global batch (docs/contracts.md, "Loss").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The `--dcp` training loop: per-iteration plans on the adaptive engine.
 
 Glue only: documents from the variable-length data path, global batches by tokens
-(DESIGN.md), a plan per iteration from `dcp_ext.planning.planner` (the next one computed in a
+(docs/contracts.md), a plan per iteration from `dcp_ext.planning.planner` (the next one computed in a
 background thread while this one trains), `dcp_ext.runtime.AdaptiveEngine` for the step,
 Megatron's LR schedule, log line and checkpoint layout.
 """

@@ -1,6 +1,6 @@
 """The adaptive planner: per iteration, heterogeneous replicas, packing, recompute, accumulation.
 
-Why it exists: this is the system's brain (DESIGN.md step 2). Given one global batch it
+Why it exists: this is the system's brain (docs/contracts.md step 2). Given one global batch it
 returns the plan the runtime executes.
 
 Per iteration:
