@@ -448,31 +448,40 @@ py::tuple mix_dynamic_program(const Arr& cum, const Arr& alone, const Arr& first
   return py::make_tuple(counts, hi);
 }
 
-// planners/common.first_fit_decreasing without a check: docs sorted by size, largest
-// first (ties keep their order), each into the first bin with room, else a new bin.
+// planners/common.first_fit_decreasing without a check, on item indices 0..n-1 of sizes
+// x: largest first (ties keep their order), each into the first bin with room, else a
+// new bin.
+std::vector<std::vector<int64_t>> ffd_indices(const std::vector<double>& x, double cap) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return -x[a] < -x[b]; });
+  std::vector<std::vector<int64_t>> bins;
+  std::vector<double> room;
+  for (int64_t i : order) {
+    size_t b = 0;
+    while (b < room.size() && !(x[i] <= room[b])) ++b;
+    if (b < room.size()) {
+      bins[b].push_back(i);
+      room[b] = room[b] - x[i];
+    } else {
+      bins.push_back({i});
+      room.push_back(cap - x[i]);
+    }
+  }
+  return bins;
+}
+
+// first_fit_decreasing for Python: bins of `docs` by their `sizes`.
 py::list first_fit_decreasing(const IntArr& docs, const Arr& sizes, double cap) {
   const int64_t n = docs.size();
   if (sizes.size() != n) throw py::value_error("one size per document");
   std::vector<std::vector<int64_t>> bins;
   {
     py::gil_scoped_release nogil;
-    const int64_t* d = docs.data();
-    const double* x = sizes.data();
-    std::vector<int64_t> order(n);
-    for (int64_t i = 0; i < n; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return -x[a] < -x[b]; });
-    std::vector<double> room;
-    for (int64_t i : order) {
-      size_t b = 0;
-      while (b < room.size() && !(x[i] <= room[b])) ++b;
-      if (b < room.size()) {
-        bins[b].push_back(d[i]);
-        room[b] = room[b] - x[i];
-      } else {
-        bins.push_back({d[i]});
-        room.push_back(cap - x[i]);
-      }
-    }
+    bins = ffd_indices(std::vector<double>(sizes.data(), sizes.data() + n), cap);
+    for (auto& b : bins)
+      for (auto& i : b) i = docs.data()[i];
   }
   py::list out;
   for (const auto& b : bins) out.append(py::cast(b));
@@ -490,6 +499,16 @@ double mb_time(const double* c, double S2, double T, int64_t n, double attn_bwd_
     excess = (c[6] + c[7]) * ex_f + c[6] * ex_b;
   }
   return c[0] + c[1] * S2 + c[2] * T + c[3] * static_cast<double>(n) + excess;
+}
+
+// One micro-batch of finish_replica's single-stage pricing: its exact integer sums s2 and
+// t (rounded to double once), n documents, at recompute level rs; adds its mb_time to
+// `pipe` and returns whether t is within caps[rs] (times 1 + 1e-12).
+bool price_mb(int64_t s2, int64_t t, int64_t n, int64_t rs, const double* coef, const double* caps,
+              double attn_bwd_factor, double& pipe) {
+  const double S2 = static_cast<double>(s2), T = static_cast<double>(t);
+  pipe += mb_time(coef + 8 * rs, S2, T, n, attn_bwd_factor);
+  return T <= caps[rs] * (1 + 1e-12);
 }
 
 // planners/common.finish_replica, pp == 1 and memory linear in tokens: per micro-batch
@@ -537,34 +556,18 @@ py::tuple price_single_stage(const py::object& lengths, const py::list& mbs, con
       t += x;
       ++n;
     }
-    const double S2 = static_cast<double>(s2), T = static_cast<double>(t);
-    if (!(T <= cap[rs] * (1 + 1e-12))) ok = false;
-    pipe += mb_time(cf + 8 * rs, S2, T, n, attn_bwd_factor);
+    if (!price_mb(s2, t, n, rs, cf, cap, attn_bwd_factor, pipe)) ok = false;
   }
   return py::make_tuple(ok, pipe);
 }
 
-// FFD of `items` (batch positions) by their lengths, as first_fit_decreasing above: bins
-// of positions, largest first (ties keep their order), each into the first bin with room.
+// FFD of `items` (batch positions) by their lengths: ffd_indices, mapped back to positions.
 std::vector<std::vector<int64_t>> ffd_bins(const std::vector<int64_t>& items, const int64_t* len, double cap) {
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < items.size(); ++i) order[i] = static_cast<int64_t>(i);
-  auto size = [&](int64_t i) { return static_cast<double>(len[items[i]]); };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return -size(a) < -size(b); });
-  std::vector<std::vector<int64_t>> bins;
-  std::vector<double> room;
-  for (int64_t i : order) {
-    const double x = size(i);
-    size_t b = 0;
-    while (b < room.size() && !(x <= room[b])) ++b;
-    if (b < room.size()) {
-      bins[b].push_back(items[i]);
-      room[b] = room[b] - x;
-    } else {
-      bins.push_back({items[i]});
-      room.push_back(cap - x);
-    }
-  }
+  std::vector<double> x(items.size());
+  for (size_t i = 0; i < items.size(); ++i) x[i] = static_cast<double>(len[items[i]]);
+  auto bins = ffd_indices(x, cap);
+  for (auto& b : bins)
+    for (auto& i : b) i = items[i];
   return bins;
 }
 
@@ -739,9 +742,8 @@ py::list pack_replicas(const IntArr& lengths, const IntArr& order, const py::lis
           s2 += len[b] * len[b];
           tok += len[b];
         }
-        const double S2 = static_cast<double>(s2), TT = static_cast<double>(tok);
-        if (!(TT <= cp[rs] * (1 + 1e-12))) fine = false;
-        o.pipe += mb_time(cf + 8 * rs, S2, TT, static_cast<int64_t>(mb.first.size()), attn_bwd_factor);
+        if (!price_mb(s2, tok, static_cast<int64_t>(mb.first.size()), rs, cf, cp, attn_bwd_factor, o.pipe))
+          fine = false;
       }
       o.python = !fine;
     }

@@ -2,8 +2,9 @@
 
 The iteration line keeps upstream's fields and order so existing log parsers keep
 working, and its `lm loss` is upstream's: the mean over the --log-interval window's
-iterations that updated the model (the --loss-log file and TensorBoard keep each iteration's); throughput counts causal attention per document (dcp_ext.planning.flops). TensorBoard
-gets upstream's tags ('lm loss', 'learning-rate', 'batch-size', 'loss-scale',
+iterations that updated the model (the --loss-log file and TensorBoard keep each
+iteration's); throughput counts causal attention per document (dcp_ext.planning.flops).
+TensorBoard gets upstream's tags ('lm loss', 'learning-rate', 'batch-size', 'loss-scale',
 'grad-norm', each also '... vs samples'), so existing dashboards keep working.
 """
 from __future__ import annotations
