@@ -6,6 +6,12 @@ protocol (tracker, crash-safe save) is `checkpoint_protocol`, the explanation of
 checkpoint that does not load is `checkpoint_inspector`, and the adaptive runtime's
 checkpoints are `checkpointing_adaptive`. Because the format is sharded by global tensor
 slices, a checkpoint saved under one layout loads under another.
+
+Upstream Megatron-LM's checkpoints resume here too (`upstream_format`): its common state
+keeps the consumed samples in `args`, its RNG state is a (pp, tp) grid of per-DP lists,
+and its distributed optimizer state is in whatever format its `content_metadata` names
+(upstream's default `dp_reshardable`: buffer-shaped, so only under the same TP/PP). Ours
+write `args.consumed_train_samples` and `content_metadata` too, which upstream reads.
 """
 from __future__ import annotations
 
@@ -52,15 +58,37 @@ def _layout_signature(args) -> tuple:
             args.context_parallel_size)
 
 
-def _rng_sharded_object():
-    """Per-(pp, tp, cp) RNG state; DP ranks are replicas, as in Megatron."""
+def _rng_sharded_object(upstream: bool = False):
+    """Per-(pp, tp, cp) RNG state; DP ranks are replicas, as in Megatron. `upstream`: upstream
+    Megatron-LM's layout, a (pp, tp) grid whose every entry is a list (one state per DP rank
+    under --data-parallel-random-init, else one)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     pp, tp, cp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(), \
         ps.get_context_parallel_world_size()
+    if upstream:
+        return ShardedObject("rng_state", [rng_state()], (pp, tp), (ps.get_pipeline_model_parallel_rank(),
+                             ps.get_tensor_model_parallel_rank()),
+                             replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank())
     return ShardedObject("rng_state", rng_state(), (pp, tp, cp), offset, replica_id=ps.get_data_parallel_rank())
+
+
+def _restore_rng(saved, upstream: bool, path: str) -> None:
+    """Set the RNG state loaded from the checkpoint; upstream's is a list per DP rank."""
+    if upstream:
+        from megatron.core import parallel_state as ps
+
+        if not isinstance(saved, list) or not saved:
+            print_rank_0(f"  note: {path}: its RNG state is not upstream's per-DP list; the RNG state is not restored")
+            return
+        saved = saved[ps.get_data_parallel_rank()] if len(saved) > 1 else saved[0]
+    try:
+        set_rng_state(saved)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # e.g. CUDA tracker states on a CPU run
+        print_rank_0(f"  note: {path}: its RNG state cannot be restored here ({type(e).__name__}: "
+                     f"{str(e)[:80]}); training continues from this run's seed")
 
 
 def unwrap(model):
@@ -74,6 +102,9 @@ def unwrap(model):
 
 # Optimizer state in model space (one tensor per parameter), so it reshards across TP/PP/DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# What a checkpoint records of how its sharded state dict was built (megatron-core's
+# `content_metadata`, which upstream's loader reads to build the same one).
+CONTENT_METADATA = {**OPTIMIZER_METADATA, "singleton_local_shards": False}
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
@@ -81,13 +112,17 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
 
     refuse_nonfinite(unwrap(model).parameters(), iteration, args.save)
     model_sd = unwrap(model).sharded_state_dict()
+    saved_args = _common_args(args)
+    saved_args.consumed_train_samples = consumed_samples  # where upstream's loader reads it
+    saved_args.iteration = iteration
     state = {
-        "args": _common_args(args),
+        "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "layout": _layout_signature(args),
         "model": model_sd,
+        "content_metadata": dict(CONTENT_METADATA),  # as dist_checkpointing.save(content_metadata=...) stores it
     }
     if not getattr(args, "no_save_optim", False):  # upstream: neither optimizer nor LR schedule
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
@@ -95,6 +130,85 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     if not getattr(args, "no_save_rng", False):
         state["rng_state"] = _rng_sharded_object()
     save_sharded_atomic(args.save, iteration, state)
+
+
+def _adam_steps_from_param_groups(optimizer) -> None:
+    """megatron-core 0.16 without apex/TE (torch Adam): a loaded distributed optimizer puts the
+    checkpoint's iteration count into its param groups' 'step', but the buffer-shaped format
+    (dp_reshardable) then overwrites each parameter's 'step' with the loading template's
+    dummy value, and Adam's bias correction restarts. Take it from the param groups."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if group.get("step") is None:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
+def upstream_format(common: dict) -> bool:
+    """Written by upstream Megatron-LM's checkpointing.py (ours always record their layout)."""
+    return "layout" not in common
+
+
+def _saved_layout(common: dict) -> tuple:
+    """(world size, tp, pp, cp) the checkpoint was saved under; upstream's from its args."""
+    if "layout" in common:
+        return tuple(common["layout"])
+    saved = common.get("args")
+    return tuple(getattr(saved, name, None) for name in ("world_size", "tensor_model_parallel_size",
+                                                        "pipeline_model_parallel_size", "context_parallel_size"))
+
+
+def _content_metadata(common: dict) -> dict:
+    """The metadata the checkpoint's sharded state dict was built with (megatron-core's
+    content_metadata); checkpoints without it: ours are fully_reshardable, upstream's from
+    before megatron-core 0.13 follow upstream's fallback."""
+    saved = common.get("content_metadata")
+    if saved is not None:
+        return {k: v for k, v in saved.items() if k != "dp_cp_group"}
+    if not upstream_format(common):
+        return dict(OPTIMIZER_METADATA)
+    old = "fully_sharded_model_space" if getattr(common.get("args"), "ckpt_fully_parallel_save", False) \
+        else "dp_zero_gather_scatter"
+    return {"distrib_optim_sharding_type": old}
+
+
+def _check_optimizer_format(args, common: dict, metadata: dict, path: str) -> None:
+    """A distributed optimizer's state saved in a buffer-shaped format (upstream's default
+    dp_reshardable) loads only into the same buffers: same TP/PP, distributed optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    kind = metadata.get("distrib_optim_sharding_type")
+    if kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats:
+        return
+    saved = common.get("args")
+    way_out = "or resume with --no-load-optim (the optimizer state starts afresh)"
+    if not args.use_distributed_optimizer:
+        raise CheckpointError(f"{path}: its optimizer state is a distributed optimizer's in format '{kind}' "
+                              f"(upstream's default without --dist-ckpt-optim-fully-reshardable); resume with "
+                              f"--use-distributed-optimizer, {way_out}")
+    for name, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+        theirs = getattr(saved, name, None)
+        if theirs is not None and theirs != getattr(args, name):
+            raise CheckpointError(f"{path}: its optimizer state is in format '{kind}', which loads only under the "
+                                  f"layout it was saved with: {flag} {theirs} (this run: {getattr(args, name)}); "
+                                  f"resume with {flag} {theirs}, {way_out}")
+
+
+def _consumed_samples(common: dict, path: str) -> int:
+    """Ours keep it at the top level; upstream's only in args."""
+    if "consumed_train_samples" in common:
+        return common["consumed_train_samples"]
+    consumed = getattr(common.get("args"), "consumed_train_samples", None)
+    if consumed is None:
+        raise CheckpointError(f"{path}: common.pt records no consumed_train_samples (neither at its top level nor "
+                              "in its args): the data position cannot be resumed; use --finetune to start at "
+                              "iteration 0 from its weights")
+    return consumed
 
 
 def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
@@ -106,8 +220,16 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     path, _ = found
     common = load_common_or_explain(path)
     if common.get("format") == "dcp-fixed-sharding/v1":
-        raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
-                              "or export it with tools/convert_dcp_checkpoint.py")
+        if not (args.finetune or args.no_load_optim):
+            raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
+                                  "start from its weights with --finetune, or export it with "
+                                  "tools/convert_dcp_checkpoint.py")
+        from megatron.training.checkpointing_adaptive import load_dcp_weights  # weights only (issue 28)
+
+        load_dcp_weights(args, unwrap(model), path, common)
+        if args.bf16 or args.fp16:
+            optimizer.reload_model_params()
+        return (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
     check_model_args(common.get("args"), args, path)
     saved_vocab = getattr(common.get("args"), "padded_vocab_size", None)
     if saved_vocab is not None and saved_vocab != args.padded_vocab_size:
@@ -116,24 +238,33 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         raise CheckpointError(f"{path}: vocabulary padded to {saved_vocab} rows, this run pads to "
                               f"{args.padded_vocab_size}: a different model; use {hint}")
     check_saved_parts(args, common, path)  # --no-save-optim/--no-save-rng checkpoints need --no-load-*
-    same_layout = tuple(common.get("layout", ())) == _layout_signature(args)
-    model_sd = unwrap(model).sharded_state_dict()
+    upstream = upstream_format(common)
+    saved_layout = _saved_layout(common)
+    same_layout = saved_layout == _layout_signature(args)
+    metadata = _content_metadata(common)
+    model_sd = unwrap(model).sharded_state_dict(metadata=dict(metadata))
     request = {"model": model_sd}
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim:  # before any tensor is read
+        _check_optimizer_format(args, common, metadata, path)
         schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
         print_rank_0("> " + schedule.line)
     if load_optim:
         mcore_compat.prepare_optimizer_for_load(optimizer)
-        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
-    load_rng = not (args.no_load_rng or args.finetune) and same_layout
+        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
+    # upstream restores RNG state under the same TP/PP (its grid); ours under the same layout
+    same_grid = saved_layout[1:3] == _layout_signature(args)[1:3] if upstream else same_layout
+    load_rng = not (args.no_load_rng or args.finetune) and same_grid
     if load_rng:
-        request["rng_state"] = _rng_sharded_object()
+        request["rng_state"] = _rng_sharded_object(upstream)
+    consumed = 0 if args.finetune else _consumed_samples(common, path)
     state = load_or_explain(request, path)
     unwrap(model).load_state_dict(state["model"], strict=True)
     if load_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # dp_reshardable copies into the fp32 main params, leaves that require grad
+            optimizer.load_state_dict(state["optimizer"])
         mcore_compat.finish_optimizer_load(optimizer)
+        _adam_steps_from_param_groups(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
         schedule.apply()
     elif args.bf16 or args.fp16:
@@ -141,11 +272,9 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         # (Megatron's load_checkpoint does the same), or the first step would undo the load.
         optimizer.reload_model_params()
     if load_rng:
-        set_rng_state(state["rng_state"])
-    if args.finetune:
-        iteration, consumed = 0, 0
-    else:
-        iteration, consumed = common["iteration"], common["consumed_train_samples"]
+        _restore_rng(state["rng_state"], upstream, path)
+    iteration = 0 if args.finetune else common["iteration"]
     print_rank_0(f"  loaded checkpoint from {path} at iteration {common['iteration']}"
+                 + (" (written by upstream Megatron-LM)" if upstream else "")
                  + ("" if same_layout else " (resharded from another layout)"))
     return iteration, consumed
