@@ -442,6 +442,9 @@ CASES += [
          keeps=("ck_bad_common",)),
     Case("ckpt-garbage-metadata-json", ["--load", "{ck_bad_json}", "--train-iters", "3"],
          "metadata.json is damaged (not valid JSON", code=1, keeps=("ck_bad_json",)),
+    Case("ckpt-upstream-dp-reshardable-without-distributed-optimizer", ["--load", "{ck_upstream_dp}", "--train-iters",
+         "3"], "format 'dp_reshardable' (upstream's default without --dist-ckpt-optim-fully-reshardable); resume with "
+         "--use-distributed-optimizer", code=1, keeps=("ck_upstream_dp",)),
     # a disk that fills during the save (the start-of-run probe passed): said as a disk, nothing lost
     Case("disk-fills-during-save", ["--load", "{static_ckpt}", "--train-iters", "3", "--save", "{val}/small1/ckpt"],
          "no space left on the disk holding --save {val}/small1/ckpt", code=1, keeps=("static_ckpt",)),
@@ -583,6 +586,15 @@ def make_validation_fixtures(root: str, p: dict, runner, on_teardown) -> dict:
         with open(path, "w") as f:
             f.write("garbage\n")
 
+    def as_upstream_dp_reshardable(path):  # common.pt as upstream writes it, its default optimizer format
+        import torch
+
+        common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
+        common["args"].consumed_train_samples = common.pop("consumed_train_samples")
+        common.pop("layout")
+        common["content_metadata"] = {"distrib_optim_sharding_type": "dp_reshardable"}
+        torch.save(common, os.path.join(path, "common.pt"))
+
     s, d = p["static_ckpt"], p["dcp_ckpt"]
     damaged("ck_no_common", s, lambda it: os.remove(os.path.join(it, "common.pt")))
     damaged("dk_no_common", d, lambda it: os.remove(os.path.join(it, "common.pt")))
@@ -596,6 +608,7 @@ def make_validation_fixtures(root: str, p: dict, runner, on_teardown) -> dict:
     damaged("ck_bad_index", s, lambda it: garbage(os.path.join(it, ".metadata")))
     damaged("ck_bad_common", s, lambda it: garbage(os.path.join(it, "common.pt")))
     damaged("ck_bad_json", s, lambda it: garbage(os.path.join(it, "metadata.json")))
+    damaged("ck_upstream_dp", s, as_upstream_dp_reshardable)
     out["digests"] = dict(p["digests"], **{k: tree_digest(v) for k, v in out.items() if k[:3] in ("ck_", "dk_")})
     # a port another process listens on
     sock = socket.socket()
