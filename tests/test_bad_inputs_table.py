@@ -107,6 +107,8 @@ CASES = [
     Case("data-empty-dcp", ["--data-path", "{bad}/empty_text_document"], "empty_text_document is empty", base="dcp"),
     Case("data-split-without-documents", ["--split", "969,30,1", "--eval-iters", "1", "--eval-interval", "1"],
          "split", timeout=40),
+    Case("data-split-without-documents-dcp", ["--split", "969,30,1", "--eval-iters", "1", "--eval-interval", "1"],
+         "gets 0 documents of its", timeout=40, base="dcp"),
     # --dcp
     Case("dcp-zero-batch-tokens", ["--dcp", "--train-iters", "1", "--dcp-global-batch-tokens", "0"],
          "--dcp-global-batch-tokens 0 must be >= 1", code=2),

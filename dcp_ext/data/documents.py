@@ -287,10 +287,27 @@ def no_trainable_tokens_message(prefix: str, split_name: str, split: str) -> str
             "(or the chat roles) when preprocessing")
 
 
+def split_range(bookend: tuple[float, float], n: int) -> tuple[int, int]:
+    """The documents [lo, hi) of one split of `n`, rounded as megatron-core rounds them."""
+    return int(round(bookend[0] * n)), int(round(bookend[1] * n))
+
+
+def empty_split_message(name: str, where: str, docs_in_split: int, total: int, split: str,
+                        eval_iters: int | None) -> str:
+    """The line for a split that --split gives a share but no document (or no token):
+    megatron-core would wait for ever on it; say it before training."""
+    what = "0 documents" if docs_in_split == 0 else f"{docs_in_split} document(s) but no token"
+    asked = f"--eval-iters {eval_iters} evaluates it" if eval_iters is not None else "evaluation reads it"
+    return (f"the {name} split of {where} gets {what} of its {total} with --split {split}, and {asked}: use more "
+            "data, a --split that gives it documents (e.g. 98,2,0: no test split), or --eval-iters 0")
+
+
 def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
                             split_long_documents: bool = False, cache_dir: str | None = None,
-                            vocab_size: int | None = None, tokenizer=None):
+                            vocab_size: int | None = None, tokenizer=None, eval_iters: int = 0):
     """-> (train, valid, test); a split whose weight is 0 or that holds no document is None.
+    With `eval_iters` > 0 a validation or test split that --split gives a share but that
+    holds no document is refused (DataError), as the fixed-length path refuses it.
 
     `cache_dir` is accepted for symmetry with the fixed-length path; nothing needs caching
     (the indices are O(documents) numpy work). With `vocab_size`, token ids are checked
@@ -315,7 +332,7 @@ def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
         for s, be in enumerate(bookends):
             if be is None:
                 continue
-            lo, hi = int(round(be[0] * n)), int(round(be[1] * n))
+            lo, hi = split_range(be, n)
             ds = DocumentDataset(docs, (lo, hi), max_seq_len, seed, split_long_documents, SPLIT_NAMES[s])
             ds.vocab_size = None if vocab_size is None else int(vocab_size)
             if s == 0 and len(ds) and not docs.has_trainable_tokens(lo, hi):
@@ -335,4 +352,8 @@ def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
             out.append(BlendedDocumentDataset([d for d, _ in parts], [w for _, w in parts]))
     if out[0] is None and bookends[0] is not None:
         raise DataError(f"the train split of {' '.join(prefixes)} is empty with --split {split}")
+    for s in (1, 2):
+        if out[s] is None and bookends[s] is not None and eval_iters > 0:
+            total = sum(len(IndexedDocuments(p)) for p in prefixes)
+            raise DataError(empty_split_message(SPLIT_NAMES[s], " ".join(prefixes), 0, total, split, eval_iters))
     return tuple(out)

@@ -22,7 +22,8 @@ import warnings
 
 import numpy as np
 
-from dcp_ext.data.documents import no_trainable_tokens_message, parse_blend, split_bookends
+from dcp_ext.data.documents import (empty_split_message, no_trainable_tokens_message, parse_blend, split_bookends,
+                                    split_range)
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.indexed import IndexedDocuments, check_same_data_on_every_rank, megatron_indexed
 
@@ -41,22 +42,21 @@ def _process_group_for_builder():
         dist.destroy_process_group()
 
 
-def _check_splits_have_tokens(docs: IndexedDocuments, bookends, sizes, split) -> None:
+def _check_splits_have_tokens(docs: IndexedDocuments, bookends, sizes, split, eval_iters=None) -> None:
     """megatron-core's GPTDataset loops for ever on a split that holds no token (it counts
     epochs by tokens per epoch); refuse it up front, and an SFT train split whose loss mask
     marks nothing (it would train at loss 0). Document ranges as megatron-core cuts them."""
     prefix, lengths = docs.prefix, docs.lengths
     n = len(lengths)
-    starts = [0]
-    for bookend in bookends:  # megatron-core rounds each part's share, then accumulates
-        starts.append(starts[-1] + (0 if bookend is None else int(round((bookend[1] - bookend[0]) * n))))
     for k, (name, bookend, size) in enumerate(zip(("train", "valid", "test"), bookends, sizes)):
         if bookend is None or not size:
             continue
-        lo, hi = min(starts[k], n), min(starts[k + 1], n)
+        lo, hi = split_range(bookend, n)
         if int(lengths[lo:hi].sum()) == 0:
-            raise DataError(f"the {name} split of {prefix} has no tokens with --split {split} ({n} documents): "
-                            f"use more data, another --split, or --eval-iters 0")
+            if k == 0:
+                raise DataError(f"the train split of {prefix} has no tokens with --split {split} ({n} documents): "
+                                "use more data or another --split")
+            raise DataError(empty_split_message(name, prefix, hi - lo, n, split, eval_iters))
         if k == 0 and not docs.has_trainable_tokens(lo, hi):
             raise DataError(no_trainable_tokens_message(prefix, name, split))
 
@@ -151,8 +151,9 @@ def _checked(dataset, docs_by_path: dict, vocab_size: int):
 def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: int, tokenizer,
                                 num_samples, cache_dir: str, reset_position_ids: bool = False,
                                 reset_attention_mask: bool = False, eod_mask_loss: bool = False,
-                                create_attention_mask: bool = False):
+                                create_attention_mask: bool = False, eval_iters: int | None = None):
     """-> (train, valid, test) megatron.core GPTDatasets (or BlendedDatasets); None for a 0 split.
+    A split asked for samples that holds no token is refused (`eval_iters`: named in the line).
 
     Items: {'tokens', 'labels', 'loss_mask', 'position_ids'} torch tensors of seq_length
     (plus 'attention_mask' with create_attention_mask). `num_samples`: (train, valid, test)
@@ -172,7 +173,7 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
             raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
         docs.check_tokenizer(tokenizer)
         docs.check_vocab(int(tokenizer.vocab_size))
-        _check_splits_have_tokens(docs, bookends, sizes, split)
+        _check_splits_have_tokens(docs, bookends, sizes, split, eval_iters)
         docs_by_path[prefix] = docs
     if len({d.has_loss_mask for d in docs_by_path.values()}) > 1:
         raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
