@@ -7,8 +7,16 @@ Adam moments, written once by the rank that owns the tensor's first element (gat
 tensor by tensor, so no rank holds the whole model). Loading reads the tensors in groups
 and keeps, on every rank, the pieces of its shard, so a checkpoint saved on W ranks
 resumes on any W'.
+
+Pretrained weights cross between the two kinds without a conversion step: `--dcp
+--finetune` (or `--no-load-optim`) reads a static checkpoint (one saved without --dcp, or
+written by tools/checkpoint_hf.py import) tensor by tensor through `read_static`, and the
+static path's `--finetune` reads a --dcp checkpoint through `load_dcp_weights`. Only the
+weights cross; optimizer state, schedule and RNG start afresh.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.distributed as dist
@@ -88,8 +96,11 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     path, _ = found
     common = load_common_or_explain(path)
     if common.get("format") != FORMAT:
-        raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp); "
-                                   "resume it without --dcp")
+        if not (args.finetune or args.no_load_optim):
+            raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp, or "
+                                       "imported): start --dcp from its weights with --finetune (or "
+                                       "--no-load-optim), or resume it without --dcp")
+        return _load_static_weights(args, engine, path, common)
     check_model_args(common.get("args"), args, path)
     saved_rows = getattr(common.get("args"), "padded_vocab_size", None)
     if saved_rows is not None and saved_rows != args.padded_vocab_size:
@@ -136,3 +147,159 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     planner.load_planning_state(common.get("planner_state") or {})  # with the calibration's windows
     print_rank_0(f"  loaded adaptive checkpoint from {path} at iteration {common['iteration']}")
     return common["iteration"], common["consumed_train_samples"]
+
+
+# ------------------------------------------------------ weights across the two kinds
+# A static checkpoint stores each layer's tensors stacked ([num_layers, ...]) under one key,
+# and megatron-core's local spec saves its norms under transformer-engine's names.
+_STATIC_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                 ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)\.(.+)$")
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def static_key(name: str) -> tuple[str, int | None]:
+    """(key, layer index or None) of canonical tensor `name` in a static checkpoint."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None
+    rest = m.group(3)
+    for local, stored in _STATIC_NORMS:
+        if rest.startswith(local):
+            rest = stored + rest[len(local):]
+    return m.group(1) + rest, int(m.group(2))
+
+
+def _fit_rows(name: str, value: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A vocabulary tensor padded to another row count: the common rows, zeros beyond."""
+    out = torch.zeros(shape, dtype=value.dtype)
+    rows = min(shape[0], value.shape[0])
+    out[:rows] = value[:rows]
+    return out
+
+
+def read_static(path: str, named_shapes, replica_id: int = 0) -> dict:
+    """Full fp32 tensors {canonical name: tensor} read from the static checkpoint at `path`
+    (one layer's slice of each stacked key, never the whole stack). Vocabulary tensors of
+    another padding keep their common rows (zeros beyond); any other difference is one line."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = dist_checkpointing.load_tensors_metadata(path)
+    request, rows = {}, {}
+    for name, shape in named_shapes:
+        key, layer = static_key(name)
+        if key not in stored:
+            raise ckpt.CheckpointError(f"{path}: has no tensor {key} (for {name}): it holds another model; pass the "
+                                       "model flags it was saved with")
+        full = tuple(stored[key].global_shape)
+        one = full if layer is None else full[1:]
+        if layer is not None and layer >= full[0]:
+            raise ckpt.CheckpointError(f"{path}: holds {full[0]} layers, this model has more (--num-layers)")
+        if one != tuple(shape) and not (name in VOCAB_ROWS and one[1:] == tuple(shape)[1:]):
+            raise ckpt.CheckpointError(f"{path}: {name} is {list(one)} there and {list(shape)} here: it holds "
+                                       "another model; pass the model flags it was saved with")
+        offsets = () if layer is None else ((0, layer, full[0]),)
+        request[name] = ShardedTensor.from_rank_offsets(key, torch.empty(one, dtype=stored[key].dtype), *offsets,
+                                                        replica_id=replica_id,
+                                                        prepend_axis_num=0 if layer is None else 1)
+        rows[name] = tuple(shape)
+    state = load_or_explain(request, path, validate_access_integrity=False)
+    out = {}
+    for name, shape in rows.items():
+        value = state[name].float()
+        out[name] = value if tuple(value.shape) == shape else _fit_rows(name, value, shape)
+    return out
+
+
+def _say_rows(path: str, common: dict, rows: int) -> None:
+    saved = getattr(common.get("args"), "padded_vocab_size", None)
+    if saved is not None and saved != rows:
+        print_rank_0(f"  note: {path} pads the vocabulary to {saved} rows, this run to {rows}: the common rows "
+                     "are loaded, any others start at zero (rows past the tokenizer's vocabulary are padding)")
+
+
+def _load_static_weights(args, engine, path: str, common: dict) -> tuple[int, int]:
+    """`--dcp --finetune` from a static or imported checkpoint: its weights into the fixed
+    sharding (fresh Adam moments and schedule), group by group as `load` reads."""
+    check_model_args(common.get("args"), args, path)
+    tensors = list(engine.space.tensors.values())
+    _say_rows(path, common, args.padded_vocab_size)
+    sharding = engine.sharding
+    shard = torch.zeros(sharding.shard_numel(engine.rank))
+    for group in _groups(tensors, LOAD_GROUP):
+        values = read_static(path, [(t.name, t.shape) for t in group], replica_id=engine.rank)
+        for t in group:
+            _place(shard, sharding, engine.rank, t, values[t.name].flatten())
+        del values
+    engine.optimizer.set_master(shard)
+    dist.barrier()
+    print_rank_0(f"  loaded the weights of {path} (a checkpoint saved without --dcp) at iteration "
+                 f"{common.get('iteration', 0)}; optimizer and schedule start afresh")
+    if args.finetune:
+        return 0, 0
+    return common.get("iteration", 0), common.get("consumed_train_samples", 0)
+
+
+def _place(shard: torch.Tensor, sharding, rank: int, t, flat: torch.Tensor) -> None:
+    for piece, lo, hi in sharding.overlaps(rank, t.offset, t.offset + t.numel):
+        shard[piece.offset + lo - piece.start : piece.offset + hi - piece.start] = flat[lo - t.offset : hi - t.offset]
+
+
+def _local_name(name: str) -> str:
+    """A --dcp checkpoint saved with transformer-engine layers names the norms TE's way."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name
+    rest = m.group(3)
+    for local, stored in _STATIC_NORMS:
+        if rest.startswith(stored):
+            rest = local + rest[len(stored):]
+    return m.group(1) + m.group(2) + "." + rest
+
+
+class _Shapes(torch.nn.Module):
+    """Names and shapes only (meta tensors): the canonical space of a --dcp checkpoint."""
+
+    def __init__(self, named_shapes):
+        super().__init__()
+        self._named = [(n, torch.nn.Parameter(torch.empty(s, device="meta"))) for n, s in named_shapes]
+
+    def named_parameters(self, *unused, **unused_kw):
+        return iter(self._named)
+
+
+def load_dcp_weights(args, model, path: str, common: dict) -> None:
+    """The static path's `--finetune` (or `--no-load-optim`) from a --dcp checkpoint: every
+    parameter of this rank's stage filled from the checkpoint's canonical tensors, mapped
+    as the adaptive runtime maps a layout (`param_map.map_stage`). Collective (each rank
+    reads the canonical tensors its stage needs)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
+
+    check_model_args(common.get("args"), args, path)
+    stored = {_local_name(n): n for n, _ in common["canonical"]}
+    space = CanonicalSpace(_Shapes([(_local_name(n), s) for n, s in common["canonical"]]))
+    tp, tp_rank = args.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+    try:
+        local = map_stage(model, space, tp, tp_rank, bool(args.swiglu))
+    except (KeyError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}: the model flags do not describe its model ({str(e).strip()})") from None
+    rows = space.tensors.get("embedding.word_embeddings.weight")
+    if rows is not None and rows.shape[0] != args.padded_vocab_size:
+        raise ckpt.CheckpointError(f"{path}: its vocabulary is padded to {rows.shape[0]} rows, this run's to "
+                                   f"{args.padded_vocab_size}: pass --make-vocab-size-divisible-by "
+                                   f"{rows.shape[0] // tp} (at --tensor-model-parallel-size {tp})")
+    needed = sorted({lp.canonical for lp in local})
+    request = {n: ShardedTensor.from_rank_offsets("dcp.param." + stored[n], torch.empty(space.tensors[n].shape),
+                                                  replica_id=dist.get_rank()) for n in needed}
+    state = load_or_explain(request, path, validate_access_integrity=False)
+    with torch.no_grad():
+        for lp in local:
+            t = space.tensors[lp.canonical]
+            lp.param.data.copy_(state[lp.canonical].reshape(-1)[lp.index - t.offset].to(lp.param.dtype))
+    del state
+    print_rank_0(f"  loaded the weights of {path} (a --dcp checkpoint) at iteration {common.get('iteration', 0)}; "
+                 "optimizer and schedule start afresh")

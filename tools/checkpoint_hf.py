@@ -1,0 +1,657 @@
+"""Hugging Face Llama-family models in and out of this fork's checkpoints.
+
+Why this exists: most jobs start from a published model and hand the result back to the
+Hugging Face ecosystem. This tool is that bridge, on the CPU, in one process:
+
+    python tools/checkpoint_hf.py import --hf HF_DIR --save CKPT [--dcp]
+    python tools/checkpoint_hf.py export --load CKPT --hf OUT_DIR [--dtype float32|bfloat16|float16]
+
+`import` reads config.json and the safetensors weights (one file, or shards with their
+index) of a Llama, Mistral or Qwen2 model and writes a static checkpoint (megatron-core
+dist-checkpointing, the layout the static path saves: iteration 0, weights only) that both
+paths load: `--load CKPT --finetune`, with or without `--dcp` (the adaptive runtime reads
+static checkpoints' weights, `checkpointing_adaptive.read_static`). It prints the Megatron
+flags the model needs and writes them to CKPT/hf_model_args.txt; the tokenizer files and
+the model's config (CKPT/hf_config.json) are copied next to the checkpoint. `--dcp` adds
+the flags of an adaptive run to what it prints.
+
+`export` reads a checkpoint of either kind (static, or `--dcp`'s canonical tensors) and
+writes config.json + model.safetensors (+ the tokenizer files it finds next to the
+checkpoint or at the run's --tokenizer-model) that `transformers` loads. The vocabulary is
+cut back to the Hugging Face size (hf_config.json's, else the tokenizer's).
+
+Layouts (megatron-core's GPTModel, TP1 names): fused `linear_qkv` is, per query group,
+[that group's query heads, its key head, its value head]; `linear_fc1` is [gate; up]
+(SwiGLU); RMSNorm weights sit in `input_layernorm` / `pre_mlp_layernorm` (saved under
+transformer-engine's names `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`).
+The vocabulary is padded with zero rows as Megatron pads it (--make-vocab-size-divisible-by).
+
+What GPTModel here cannot express is refused in one `error:` line naming it (an unknown
+model_type, an activation other than SiLU, active sliding-window attention, RoPE scaling,
+partial rotary, biases beyond the QKV bias), through the console tools' error boundary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+ARGS_FILE = "hf_model_args.txt"
+CONFIG_FILE = "hf_config.json"
+IMPORT_FORMAT = "megatron-weights-from-hf/v1"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class HFError(RuntimeError):
+    """A model or request this tool cannot handle; the message is one line."""
+
+
+# ------------------------------------------------------------------ the model's shape
+@dataclass
+class Shape:
+    """What the GPT model needs to know of a Llama-family model."""
+    model_type: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int  # the Hugging Face vocabulary (rows of its embedding)
+    eps: float
+    rope_base: int
+    max_positions: int
+    tied: bool
+    qkv_bias: bool
+
+
+def _rope(cfg: dict) -> tuple[float, str, dict]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
+    return float(theta), kind, scaling or params
+
+
+def shape_from_config(cfg: dict, where: str) -> Shape:
+    """The model's Shape, or one line naming what GPTModel here cannot express and the fix."""
+    try:
+        return _shape(cfg, where)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"no field {e.args[0]!r}" if isinstance(e, KeyError) else f"a field of the wrong type ({e})"
+        raise HFError(f"{where}: {what}") from None
+
+
+def _shape(cfg: dict, where: str) -> Shape:
+    kind = cfg.get("model_type")
+    if kind not in SUPPORTED:
+        raise HFError(f"{where}: model_type {kind!r} is not supported; this tool converts {', '.join(SUPPORTED)} "
+                      "(Llama-architecture models)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFError(f"{where}: hidden_act {act!r}: the GPT model here has SwiGLU (silu) only; no fix but another "
+                      "model")
+    theta, rope_kind, _ = _rope(cfg)
+    if rope_kind != "default":
+        raise HFError(f"{where}: RoPE scaling {rope_kind!r} is not wired into this fork's GPT model (--use-rope-scaling "
+                      "is refused); convert a model without rope_scaling")
+    if theta != int(theta):
+        raise HFError(f"{where}: rope_theta {theta} is not an integer (--rotary-base takes one)")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']}: partial RoPE is not supported "
+                      "here")
+    _refuse_sliding_window(cfg, where)
+    attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attention_bias or mlp_bias:
+        raise HFError(f"{where}: {'attention_bias' if attention_bias else 'mlp_bias'} is true: biases on the output "
+                      "projection or the MLP are not supported here (only Qwen2's QKV bias)")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    if heads % groups:
+        raise HFError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    return Shape(model_type=kind, layers=int(cfg["num_hidden_layers"]), hidden=hidden,
+                 ffn=int(cfg["intermediate_size"]), heads=heads, groups=groups, head_dim=head_dim,
+                 vocab=int(cfg["vocab_size"]), eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_base=int(theta),
+                 max_positions=int(cfg.get("max_position_embeddings", 4096)),
+                 tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+
+
+def _refuse_sliding_window(cfg: dict, where: str) -> None:
+    window = cfg.get("sliding_window")
+    sliding_layers = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if cfg.get("model_type") == "qwen2":
+        active = bool(cfg.get("use_sliding_window")) or bool(sliding_layers)
+    else:
+        active = window is not None and int(window) < int(cfg.get("max_position_embeddings", 0) or 0) \
+            or bool(sliding_layers)
+    if active:
+        raise HFError(f"{where}: sliding-window attention is active (sliding_window {window}): not supported by "
+                      "this fork's GPT model; convert a model with full attention (sliding_window null)")
+
+
+def megatron_flags(shape: Shape) -> list[str]:
+    """The model-shaping Megatron flags of `shape` (tokenizer and vocabulary flags apart)."""
+    flags = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
+             "--ffn-hidden-size", str(shape.ffn), "--num-attention-heads", str(shape.heads)]
+    if shape.groups != shape.heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(shape.groups)]
+    if shape.head_dim * shape.heads != shape.hidden:
+        flags += ["--kv-channels", str(shape.head_dim)]
+    flags += ["--max-position-embeddings", str(shape.max_positions), "--position-embedding-type", "rope",
+              "--rotary-base", str(shape.rope_base), "--normalization", "RMSNorm", "--norm-epsilon", repr(shape.eps),
+              "--swiglu", "--disable-bias-linear"]
+    if shape.qkv_bias:
+        flags.append("--add-qkv-bias")
+    if not shape.tied:
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+# -------------------------------------------------------------- HF names <-> ours
+def hf_to_canonical(hf: dict, shape: Shape, rows: int) -> dict:
+    """{our TP1 parameter name: tensor} from Hugging Face tensors (fp32, vocabulary padded to `rows`)."""
+    import torch
+
+    def take(name):
+        if name not in hf:
+            raise HFError(f"the weights have no tensor {name} (config.json says {shape.layers} layers, "
+                          f"{'tied' if shape.tied else 'untied'} embeddings)")
+        return hf[name].float()
+
+    def pad_rows(t):
+        out = torch.zeros((rows,) + tuple(t.shape[1:]))
+        out[: t.shape[0]] = t
+        return out
+
+    out = {"embedding.word_embeddings.weight": pad_rows(take("model.embed_tokens.weight"))}
+    for i in range(shape.layers):
+        hf_p, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att = hf_p + "self_attn."
+        q, k, v = (take(att + n + ".weight") for n in ("q_proj", "k_proj", "v_proj"))
+        out[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, shape)
+        if shape.qkv_bias:
+            qb, kb, vb = (take(att + n + ".bias")[:, None] for n in ("q_proj", "k_proj", "v_proj"))
+            out[ours + "self_attention.linear_qkv.bias"] = fuse_qkv(qb, kb, vb, shape)[:, 0]
+        out[ours + "self_attention.linear_proj.weight"] = take(att + "o_proj.weight")
+        out[ours + "input_layernorm.weight"] = take(hf_p + "input_layernorm.weight")
+        out[ours + "pre_mlp_layernorm.weight"] = take(hf_p + "post_attention_layernorm.weight")
+        gate, up = take(hf_p + "mlp.gate_proj.weight"), take(hf_p + "mlp.up_proj.weight")
+        out[ours + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[ours + "mlp.linear_fc2.weight"] = take(hf_p + "mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if not shape.tied:
+        out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
+    return out
+
+
+def canonical_to_hf(ours: dict, shape: Shape) -> dict:
+    """{Hugging Face name: tensor} from our TP1 tensors (vocabulary cut to shape.vocab)."""
+    out = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][: shape.vocab]}
+    for i in range(shape.layers):
+        hf_p, p = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att = hf_p + "self_attn."
+        q, k, v = split_qkv(ours[p + "self_attention.linear_qkv.weight"], shape)
+        out.update({att + "q_proj.weight": q, att + "k_proj.weight": k, att + "v_proj.weight": v})
+        if shape.qkv_bias:
+            qb, kb, vb = split_qkv(ours[p + "self_attention.linear_qkv.bias"][:, None], shape)
+            out.update({att + "q_proj.bias": qb[:, 0], att + "k_proj.bias": kb[:, 0], att + "v_proj.bias": vb[:, 0]})
+        out[att + "o_proj.weight"] = ours[p + "self_attention.linear_proj.weight"]
+        out[hf_p + "input_layernorm.weight"] = ours[p + "input_layernorm.weight"]
+        out[hf_p + "post_attention_layernorm.weight"] = ours[p + "pre_mlp_layernorm.weight"]
+        gate, up = ours[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[hf_p + "mlp.gate_proj.weight"], out[hf_p + "mlp.up_proj.weight"] = gate, up
+        out[hf_p + "mlp.down_proj.weight"] = ours[p + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+    if not shape.tied:
+        out["lm_head.weight"] = ours["output_layer.weight"][: shape.vocab]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def fuse_qkv(q, k, v, shape: Shape):
+    """megatron-core's fused QKV rows: per query group, its query heads, its key, its value."""
+    import torch
+
+    per = shape.heads // shape.groups
+    d = shape.head_dim
+    q = q.reshape(shape.groups, per * d, -1)
+    k = k.reshape(shape.groups, d, -1)
+    v = v.reshape(shape.groups, d, -1)
+    return torch.cat([q, k, v], dim=1).reshape(shape.groups * (per + 2) * d, -1)
+
+
+def split_qkv(qkv, shape: Shape):
+    per = shape.heads // shape.groups
+    d = shape.head_dim
+    g = qkv.reshape(shape.groups, (per + 2) * d, -1)
+    q, k, v = g[:, : per * d], g[:, per * d : (per + 1) * d], g[:, (per + 1) * d :]
+    cols = qkv.shape[-1]
+    return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
+
+
+def canonical_shapes(shape: Shape, rows: int) -> list[tuple[str, tuple]]:
+    """Our TP1 parameter names and shapes, in the model's order."""
+    qkv_rows = (shape.heads + 2 * shape.groups) * shape.head_dim
+    named = [("embedding.word_embeddings.weight", (rows, shape.hidden))]
+    for i in range(shape.layers):
+        p = f"decoder.layers.{i}."
+        named += [(p + "input_layernorm.weight", (shape.hidden,)),
+                  (p + "self_attention.linear_proj.weight", (shape.hidden, shape.heads * shape.head_dim)),
+                  (p + "self_attention.linear_qkv.weight", (qkv_rows, shape.hidden))]
+        if shape.qkv_bias:
+            named.append((p + "self_attention.linear_qkv.bias", (qkv_rows,)))
+        named += [(p + "pre_mlp_layernorm.weight", (shape.hidden,)),
+                  (p + "mlp.linear_fc1.weight", (2 * shape.ffn, shape.hidden)),
+                  (p + "mlp.linear_fc2.weight", (shape.hidden, shape.ffn))]
+    named.append(("decoder.final_layernorm.weight", (shape.hidden,)))
+    if not shape.tied:
+        named.append(("output_layer.weight", (rows, shape.hidden)))
+    return named
+
+
+# --------------------------------------------------------------------- files
+def read_config(folder: str, flag: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise HFError(f"{flag} {folder}: no such directory")
+    if not os.path.isfile(path):
+        raise HFError(f"{flag} {folder}: no config.json (a Hugging Face model directory holds config.json and "
+                      "*.safetensors)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except ValueError as e:
+        raise HFError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{path}: not a model configuration (a JSON object)")
+    return cfg
+
+
+def read_hf_tensors(folder: str) -> dict:
+    """Every tensor of the model's safetensors files (one file, or the shards its index names)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            raise HFError(f"{index}: not a safetensors index (no weight_map)") from None
+    else:
+        files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        bins = [n for n in os.listdir(folder) if n.endswith(".bin") or n.endswith(".pth")]
+        hint = " (it holds PyTorch .bin files: re-save it with save_pretrained(..., safe_serialization=True))" \
+            if bins else ""
+        raise HFError(f"--hf {folder}: no *.safetensors weights{hint}")
+    tensors = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise HFError(f"{path}: missing (named by the safetensors index)")
+        try:
+            tensors.update(load_file(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HFError(f"{path}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+                from None
+    return tensors
+
+
+def copy_tokenizer(src: str, dst: str) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+def tokenizer_size(folder: str) -> int | None:
+    """The vocabulary the run's HuggingFaceTokenizer will report, if it loads."""
+    try:
+        from dcp_ext.data.tokenizers import build_tokenizer
+
+        return int(build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder).vocab_size)
+    except Exception:  # no tokenizer, or one the run would refuse (it says so then)
+        return None
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def vocabulary(shape: Shape, save: str, copied: list[str]) -> tuple[int, int, list[str]]:
+    """(padded rows, --make-vocab-size-divisible-by, tokenizer flags): Megatron pads the
+    tokenizer's vocabulary; the rows must also hold every row of the HF embedding."""
+    has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    size = tokenizer_size(save) if has_tokenizer else None
+    if has_tokenizer:
+        flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(save)]
+    else:  # NullTokenizer: ids 0..vocab-1, the last one its EOD
+        flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1)]
+        size = shape.vocab
+    size = size or shape.vocab
+    rows = round_up(max(size, shape.vocab), 128)
+    divisible_by = 128 if round_up(size, 128) == rows else rows
+    return rows, divisible_by, flags + (["--make-vocab-size-divisible-by", str(divisible_by)]
+                                        if divisible_by != 128 else [])
+
+
+# ---------------------------------------------------------------- the process group
+def _one_rank_group() -> None:
+    """dist-checkpointing saves and loads through torch.distributed: one gloo rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dcp_ext.compat import cpu_compat, mcore_compat
+
+    cpu_compat.install()
+    mcore_compat.install()
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=30))
+
+
+# -------------------------------------------------------------------- import
+def build_args(flags: list[str], shape: Shape, rows: int) -> argparse.Namespace:
+    """The run's arguments for these model flags (parsed as pretrain_gpt_dcp.py parses them),
+    at TP1/PP1 on one rank, the vocabulary padded to `rows`."""
+    from megatron.training.arguments import parse_args
+
+    extra = ["--seq-length", str(min(shape.max_positions, 4096)), "--micro-batch-size", "1",
+             "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
+    args = parse_args(flags + extra, world_size=1)
+    args.padded_vocab_size = rows
+    args.no_save_optim = args.no_save_rng = True  # what a load without --finetune is told to skip
+    return args
+
+
+def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dict) -> None:
+    """Our tensors as the static path's checkpoint at iteration 0: the TP1/PP1 GPTModel the
+    static path builds, filled, saved through its own `sharded_state_dict()` (the layout
+    `checkpointing.save_checkpoint` writes, weights only)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training import global_vars
+    from megatron.training.training import transformer_config_from_args
+    from pretrain_gpt_dcp import model_provider
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    global_vars.set_args(args)
+    config = transformer_config_from_args(args, use_cpu_initialization=True, perform_initialization=False)
+    model = model_provider(config, pre_process=True, post_process=True)
+    names = {n for n, _ in model.named_parameters()}
+    if names != set(tensors):
+        odd = sorted(names ^ set(tensors))[:3]
+        raise HFError(f"the converted tensors do not match the model the flags build (first differences: {odd})")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name].to(p.dtype))
+    state = {"args": ckpt._common_args(args), "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0,
+             "consumed_train_samples": 0, "imported_from": source, "model": model.sharded_state_dict()}
+    ckpt.save_sharded_atomic(save, 0, state)
+
+
+def check_save(save: str) -> None:
+    from dcp_ext.cli.boundary import check_output
+    from megatron.training import checkpoint_protocol as ckpt
+
+    if os.path.lexists(save) and not os.path.isdir(save):
+        raise HFError(f"--save {save}: is a file, not a directory; point --save to a directory")
+    check_output("--save", os.path.join(save, ckpt.TRACKER), make_folder=True)
+    if os.path.isdir(save) and (os.path.exists(os.path.join(save, ckpt.TRACKER))
+                                or any(n.startswith("iter_") for n in os.listdir(save))):
+        raise HFError(f"--save {save} already holds a checkpoint; choose an empty --save directory")
+
+
+def do_import(opts) -> int:
+    cfg = read_config(opts.hf, "--hf")
+    shape = shape_from_config(cfg, os.path.join(opts.hf, "config.json"))
+    check_save(opts.save)
+    hf = read_hf_tensors(opts.hf)
+    os.makedirs(opts.save, exist_ok=True)
+    copied = copy_tokenizer(opts.hf, opts.save)
+    rows, divisible_by, tokenizer = vocabulary(shape, opts.save, copied)
+    ours = hf_to_canonical(hf, shape, rows)
+    del hf
+    with open(os.path.join(opts.save, CONFIG_FILE), "w") as f:
+        json.dump(cfg, f, indent=2)
+    flags = megatron_flags(shape) + tokenizer
+    _one_rank_group()
+    args = build_args(flags, shape, rows)
+    write_static(opts.save, ours, args, {"format": IMPORT_FORMAT, "hf": os.path.abspath(opts.hf),
+                                         "model_type": shape.model_type, "vocab_size": shape.vocab})
+    load = ["--load", os.path.abspath(opts.save), "--finetune"] + (["--dcp"] if opts.dcp else [])
+    line = " ".join(flags + load)
+    with open(os.path.join(opts.save, ARGS_FILE), "w") as f:
+        f.write(line + "\n")
+    print(f"imported {shape.model_type} from {opts.hf} to {opts.save}: {shape.layers} layers, hidden {shape.hidden}, "
+          f"{shape.vocab} vocabulary ids in {rows} rows; tokenizer files: {', '.join(copied) or 'none'}")
+    print(f"train from it with these flags (also in {os.path.join(opts.save, ARGS_FILE)}):")
+    print(line, flush=True)
+    return 0
+
+
+# -------------------------------------------------------------------- export
+def shape_from_args(saved: argparse.Namespace, where: str) -> Shape:
+    """The Shape of a checkpoint trained here, from its stored flags; one line for what a
+    Llama-family model cannot hold."""
+    get = lambda name, default=None: getattr(saved, name, default)  # noqa: E731
+    problems = [("--normalization RMSNorm", get("normalization") == "RMSNorm"), ("--swiglu", bool(get("swiglu"))),
+                ("--position-embedding-type rope", get("position_embedding_type") == "rope"),
+                ("--disable-bias-linear", bool(get("disable_bias_linear"))),
+                ("no --qk-layernorm", not get("qk_layernorm")), ("no --apply-layernorm-1p", not get("apply_layernorm_1p")),
+                ("--rotary-percent 1.0", float(get("rotary_percent", 1.0)) == 1.0),
+                ("no --rotary-interleaved", not get("rotary_interleaved"))]
+    missing = [flag for flag, ok in problems if not ok]
+    if missing:
+        raise HFError(f"{where}: not a Llama-architecture model: it was trained without {missing[0]}; only such "
+                      "models export to Hugging Face")
+    heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    return Shape(model_type="qwen2" if get("add_qkv_bias") else "llama", layers=int(get("num_layers")),
+                 hidden=hidden, ffn=int(get("ffn_hidden_size")), heads=heads,
+                 groups=int(get("num_query_groups") or heads), head_dim=int(get("kv_channels") or hidden // heads),
+                 vocab=0, eps=float(get("norm_epsilon", 1e-5)), rope_base=int(get("rotary_base", 10000)),
+                 max_positions=int(get("max_position_embeddings") or get("seq_length") or 4096),
+                 tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")))
+
+
+def find_base(load: str, saved) -> str | None:
+    """Where the model's Hugging Face config and tokenizer were left: next to the checkpoint
+    (an import), or at the run's --tokenizer-model (a run started from an import)."""
+    candidates = [load]
+    model = getattr(saved, "tokenizer_model", None)
+    if model:
+        candidates.append(model if os.path.isdir(model) else os.path.dirname(model))
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, CONFIG_FILE)) or any(
+                os.path.isfile(os.path.join(folder, n)) for n in TOKENIZER_FILES[:3]):
+            return folder
+    return None
+
+
+def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
+    """({our name: fp32 tensor}, stored args, checkpoint folder) of a static or --dcp checkpoint."""
+    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint_inspector import load_common_or_explain
+
+    if not os.path.isdir(load):
+        raise HFError(f"--load {load}: no such directory")
+    if ckpt._tracker_text(load) == ckpt.RELEASE:
+        path = os.path.join(load, ckpt.RELEASE)
+    else:
+        iteration = ckpt.read_tracker(load)
+        if iteration is None:
+            raise HFError(f"--load {load}: no {ckpt.TRACKER} found (pass the folder that holds it)")
+        path = ckpt.find_checkpoint(load, iteration)
+        if path is None:
+            raise HFError(f"--load {load}: its tracker names iteration {iteration}, which is missing or incomplete")
+    _one_rank_group()
+    common = load_common_or_explain(path)
+    saved = common.get("args")
+    if saved is None:
+        raise HFError(f"{path}: the checkpoint stores no model flags (args); cannot tell its shape")
+    shape = shape_from_args(saved, path)
+    if common.get("format") == "dcp-fixed-sharding/v1":
+        return _read_dcp(path, common), saved, path
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.checkpointing_adaptive import read_static
+
+    rows = tuple(dist_checkpointing.load_tensors_metadata(path)["embedding.word_embeddings.weight"].global_shape)[0]
+    return read_static(path, canonical_shapes(shape, rows)), saved, path
+
+
+def _read_dcp(path: str, common: dict) -> dict:
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron.training.checkpoint_inspector import load_or_explain
+    from megatron.training.checkpointing_adaptive import _local_name
+
+    request = {n: ShardedTensor.from_rank_offsets("dcp.param." + n, torch.empty(s), replica_id=0)
+               for n, s in common["canonical"]}
+    state = load_or_explain(request, path, validate_access_integrity=False)
+    return {_local_name(n): state[n].float() for n, _ in common["canonical"]}
+
+
+def hf_config(shape: Shape, base: dict | None, dtype: str) -> dict:
+    """config.json: the imported model's own, its shape fields checked, else a fresh one."""
+    cfg = dict(base or {})
+    cfg.setdefault("model_type", shape.model_type)
+    cfg.setdefault("architectures", [ARCHITECTURES.get(cfg["model_type"], "LlamaForCausalLM")])
+    cfg.update({"hidden_size": shape.hidden, "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
+                "num_attention_heads": shape.heads, "num_key_value_heads": shape.groups, "head_dim": shape.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": shape.max_positions, "rms_norm_eps": shape.eps,
+                "tie_word_embeddings": shape.tied, "vocab_size": shape.vocab, "torch_dtype": dtype, "dtype": dtype})
+    if cfg["model_type"] != "qwen2":
+        cfg.update({"attention_bias": False, "mlp_bias": False})
+    rope = {"rope_type": "default", "rope_theta": float(shape.rope_base)}
+    cfg.pop("rope_scaling", None)
+    cfg["rope_theta"] = float(shape.rope_base)
+    cfg["rope_parameters"] = rope
+    return cfg
+
+
+def do_export(opts) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    if os.path.realpath(opts.hf) == os.path.realpath(opts.load):
+        raise HFError("--hf must differ from --load (the export would write into the checkpoint)")
+    if os.path.lexists(opts.hf) and not os.path.isdir(opts.hf):
+        raise HFError(f"--hf {opts.hf}: is a file, not a directory")
+    from dcp_ext.cli.boundary import check_output
+
+    check_output("--hf", os.path.join(opts.hf, "config.json"), make_folder=True)
+    ours, saved, path = read_checkpoint(opts.load)
+    shape = shape_from_args(saved, path)
+    base_dir = find_base(opts.load, saved)
+    base = None
+    if base_dir and os.path.isfile(os.path.join(base_dir, CONFIG_FILE)):
+        with open(os.path.join(base_dir, CONFIG_FILE)) as f:
+            base = json.load(f)
+    rows = ours["embedding.word_embeddings.weight"].shape[0]
+    shape.vocab = int(opts.vocab_size or (base or {}).get("vocab_size") or
+                      (tokenizer_size(base_dir) if base_dir else None) or _null_vocab(saved) or rows)
+    if shape.vocab > rows:
+        raise HFError(f"--vocab-size {shape.vocab} exceeds the checkpoint's {rows} vocabulary rows")
+    if base is not None and base.get("model_type") in SUPPORTED:
+        shape.model_type = base["model_type"]
+    dtype = opts.dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        dtype = "float32"
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in canonical_to_hf(ours, shape).items()}
+    os.makedirs(opts.hf, exist_ok=True)
+    save_file(tensors, os.path.join(opts.hf, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(opts.hf, "config.json"), "w") as f:
+        json.dump(hf_config(shape, base, dtype), f, indent=2)
+    copied = copy_tokenizer(base_dir, opts.hf) if base_dir else []
+    print(f"exported {path} to {opts.hf} ({shape.model_type}, {shape.layers} layers, {shape.vocab} vocabulary ids, "
+          f"{dtype}); tokenizer files: {', '.join(copied) or 'none'}", flush=True)
+    return 0
+
+
+def _null_vocab(saved) -> int | None:
+    if getattr(saved, "tokenizer_type", None) == "NullTokenizer" and getattr(saved, "vocab_size", None):
+        return int(saved.vocab_size) + 1
+    return None
+
+
+# ---------------------------------------------------------------------- main
+def parse(argv: list[str]):
+    from dcp_ext.cli.boundary import Parser
+
+    p = Parser(prog="checkpoint_hf.py", description="Hugging Face Llama-family models in and out of this fork's "
+                                                   "checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    imp = sub.add_parser("import", help="a Hugging Face model directory -> a checkpoint --load reads")
+    imp.add_argument("--hf", required=True, help="the model directory (config.json, *.safetensors, tokenizer files)")
+    imp.add_argument("--save", required=True, help="the checkpoint directory to write")
+    imp.add_argument("--dcp", action="store_true", help="print the flags of an adaptive (--dcp) run")
+    exp = sub.add_parser("export", help="a checkpoint (static or --dcp) -> a Hugging Face model directory")
+    exp.add_argument("--load", required=True, help="the checkpoint directory (the folder with the tracker file)")
+    exp.add_argument("--hf", required=True, help="the model directory to write")
+    exp.add_argument("--dtype", choices=DTYPES, default=None, help="default: the imported model's, else float32")
+    exp.add_argument("--vocab-size", type=int, default=None,
+                     help="the Hugging Face vocabulary (default: the imported model's, else the tokenizer's)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU job, the path it is tested on
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    from dcp_ext.cli.boundary import run_tool
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        from megatron.training.checkpoint_protocol import CheckpointError
+
+        try:
+            opts = parse(argv)
+            return do_import(opts) if opts.command == "import" else do_export(opts)
+        except CheckpointError as e:
+            raise HFError(str(e)) from None
+
+    code = run_tool(body, errors={HFError: 1})
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
