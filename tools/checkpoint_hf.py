@@ -341,11 +341,13 @@ def vocabulary(shape: Shape, save: str, copied: list[str]) -> tuple[int, int, li
     tokenizer's vocabulary; the rows must also hold every row of the HF embedding."""
     has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     size = tokenizer_size(save) if has_tokenizer else None
-    if has_tokenizer:
+    if size is not None:
         flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(save)]
-    else:  # NullTokenizer: ids 0..vocab-1, the last one its EOD
+    else:  # no tokenizer that loads here: NullTokenizer, ids 0..vocab-1, the last one its EOD
+        if has_tokenizer:
+            print(f"note: the tokenizer files copied to {save} do not load here; the flags name NullTokenizer "
+                  "(give --tokenizer-type/--tokenizer-model yourself)")
         flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1)]
-        size = shape.vocab
     size = size or shape.vocab
     rows = round_up(max(size, shape.vocab), 128)
     divisible_by = 128 if round_up(size, 128) == rows else rows
@@ -381,7 +383,9 @@ def build_args(flags: list[str], shape: Shape, rows: int) -> argparse.Namespace:
 
     extra = ["--seq-length", str(min(shape.max_positions, 4096)), "--micro-batch-size", "1",
              "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
-    args = parse_args(flags + extra, world_size=1)
+    # --add-qkv-bias is not (yet) a flag of this fork's parser: the model is built with it all the same
+    args = parse_args([f for f in flags if f != "--add-qkv-bias"] + extra, world_size=1)
+    args.add_qkv_bias = shape.qkv_bias
     args.padded_vocab_size = rows
     args.no_save_optim = args.no_save_rng = True  # what a load without --finetune is told to skip
     return args
@@ -401,7 +405,8 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     global_vars.set_args(args)
-    config = transformer_config_from_args(args, use_cpu_initialization=True, perform_initialization=False)
+    config = transformer_config_from_args(args, use_cpu_initialization=True, perform_initialization=False,
+                                          add_qkv_bias=bool(args.add_qkv_bias))
     model = model_provider(config, pre_process=True, post_process=True)
     names = {n for n, _ in model.named_parameters()}
     if names != set(tensors):
@@ -623,7 +628,6 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU job, the path it is tested on
     import logging
     import warnings
 
@@ -654,4 +658,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU job, the path it is tested on
     sys.exit(main())
