@@ -62,7 +62,7 @@ def train_valid_test_datasets_provider(args):
         eval_runs * args.eval_iters * args.global_batch_size,
         args.eval_iters * args.global_batch_size,
     )
-    cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache", "index")
+    cache = args.data_cache_path  # None: megatron-core's default, next to the data (as upstream)
     if args.mock_data:  # megatron-core's MockGPTDataset, as upstream's --mock-data
         from dcp_ext.data.gpt_dataset import build_mock_fixed_length_datasets
 
@@ -75,6 +75,7 @@ def train_valid_test_datasets_provider(args):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, eval_iters=args.eval_iters,
+        per_split=getattr(args, "per_split_data_path", None),
     )
 
 
@@ -91,7 +92,7 @@ def document_datasets_provider(args):
     return build_document_datasets(
         data_prefixes(args), args.split, args.seed, args.dcp_max_seq_len,
         split_long_documents=args.dcp_split_long_documents, vocab_size=get_tokenizer().vocab_size,
-        tokenizer=get_tokenizer(), eval_iters=args.eval_iters,
+        tokenizer=get_tokenizer(), eval_iters=args.eval_iters, per_split=getattr(args, "per_split_data_path", None),
     )
 
 

@@ -342,6 +342,15 @@ CASES += [
     Case("blend-zero-weight-dcp", ["--data-path", "0", "{corpus}", "1", "{corpus}"],
          "--data-path weights must be finite numbers > 0: 0 1", code=2, base="dcp"),
     Case("split-four-parts", ["--split", "1,2,3,4"], "bad --split '1,2,3,4'", code=2),
+    # upstream's other data flags (dcp_ext/data/data_paths.py)
+    Case("data-path-and-train-data-path", ["--train-data-path", "{corpus}"],
+         "--data-path and --train-data-path exclude each other", code=2),
+    Case("valid-data-path-without-train", ["--drop", "--data-path", "--valid-data-path", "{corpus}"],
+         "--valid/test-data-path without a train dataset: give --train-data-path", code=2, base="dcp"),
+    Case("data-args-path-missing", ["--drop", "--data-path", "--data-args-path", "{bad}/nope_args.txt"],
+         "--data-args-path {bad}/nope_args.txt: no such file", code=2),
+    Case("per-split-data-args-without-valid", ["--drop", "--data-path", "--per-split-data-args-path",
+                                               "{bad}/per_split_train_only.json"], "has no 'valid', 'test'", code=2),
     # --dcp-cost-profile
     Case("cost-profile-missing", ["--dcp-cost-profile", "{val}/nope.json"],
          "--dcp-cost-profile {val}/nope.json: no such file", code=2, base="dcp"),
@@ -683,6 +692,7 @@ def paths(text_corpus, tmp_path_factory, runner, request):
     (bad / "malformed.yaml").write_text("num-layers: [4\nhidden-size: 64\n")
     (bad / "bad_value.yaml").write_text("hidden-size: sixty\n")
     (bad / "list_value.yaml").write_text("num-layers: [1, 2]\n")
+    (bad / "per_split_train_only.json").write_text(json.dumps({"train": [text_corpus]}))
     (tmp / "tracker7").mkdir()
     (tmp / "tracker7" / "latest_checkpointed_iteration.txt").write_text("7")
     (tmp / "garbage").mkdir()

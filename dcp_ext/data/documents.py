@@ -302,12 +302,42 @@ def empty_split_message(name: str, where: str, docs_in_split: int, total: int, s
             "data, a --split that gives it documents (e.g. 98,2,0: no test split), or --eval-iters 0")
 
 
+def _open_checked(prefix: str, vocab_size, tokenizer) -> "IndexedDocuments":
+    docs = IndexedDocuments(prefix)
+    if len(docs) == 0 or int(np.count_nonzero(docs.lengths)) == 0:
+        raise DataError(f"dataset {prefix} is empty (no non-empty document in {prefix}.idx)")
+    if tokenizer is not None:
+        docs.check_tokenizer(tokenizer)
+    if vocab_size is not None:
+        docs.check_vocab(int(vocab_size))
+    return docs
+
+
+def _sources(data_path, split: str, per_split):
+    """(prefix, split index, bookend or None for the whole, blend weight or None) of every
+    split's part: --data-path cut by --split, or each split's own blend whole."""
+    if per_split is None:
+        prefixes, weights = parse_blend(data_path)
+        bookends = split_bookends(split)
+        return [(p, s, be, None if weights is None else weights[k])
+                for k, p in enumerate(prefixes) for s, be in enumerate(bookends) if be is not None]
+    out = []
+    for s, blend in enumerate(per_split):
+        if blend:
+            prefixes, weights = parse_blend(blend)
+            out += [(p, s, None, None if weights is None else weights[k]) for k, p in enumerate(prefixes)]
+    return out
+
+
 def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
                             split_long_documents: bool = False, cache_dir: str | None = None,
-                            vocab_size: int | None = None, tokenizer=None, eval_iters: int = 0):
+                            vocab_size: int | None = None, tokenizer=None, eval_iters: int = 0, per_split=None):
     """-> (train, valid, test); a split whose weight is 0 or that holds no document is None.
     With `eval_iters` > 0 a validation or test split that --split gives a share but that
     holds no document is refused (DataError), as the fixed-length path refuses it.
+    `per_split`: [train, valid, test] blends in --data-path's syntax (None where not given),
+    each split its datasets whole (upstream's --train/valid/test-data-path); `data_path` and
+    `split` are then unused.
 
     `cache_dir` is accepted for symmetry with the fixed-length path; nothing needs caching
     (the indices are O(documents) numpy work). With `vocab_size`, token ids are checked
@@ -317,43 +347,37 @@ def build_document_datasets(data_path, split: str, seed: int, max_seq_len: int,
     first check that they read the same version of the files (one all_gather_object).
     """
     del cache_dir
-    prefixes, weights = parse_blend(data_path)
-    bookends = split_bookends(split)
-    per_split: list[list[tuple[DocumentDataset, float]]] = [[], [], []]
-    for k, prefix in enumerate(prefixes):
-        docs = IndexedDocuments(prefix)
-        if len(docs) == 0 or int(np.count_nonzero(docs.lengths)) == 0:
-            raise DataError(f"dataset {prefix} is empty (no non-empty document in {prefix}.idx)")
-        if tokenizer is not None:
-            docs.check_tokenizer(tokenizer)
-        if vocab_size is not None:
-            docs.check_vocab(int(vocab_size))
-        n = len(docs)
-        for s, be in enumerate(bookends):
-            if be is None:
-                continue
-            lo, hi = split_range(be, n)
-            ds = DocumentDataset(docs, (lo, hi), max_seq_len, seed, split_long_documents, SPLIT_NAMES[s])
-            ds.vocab_size = None if vocab_size is None else int(vocab_size)
-            if s == 0 and len(ds) and not docs.has_trainable_tokens(lo, hi):
-                raise DataError(no_trainable_tokens_message(docs.prefix, "train", split))
-            if len(ds):
-                per_split[s].append((ds, weights[k] if weights is not None else float(len(ds))))
-    if len({d.has_loss_mask for parts in per_split for d, _ in parts}) > 1:
+    sources = _sources(data_path, split, per_split)
+    opened: dict[str, IndexedDocuments] = {}
+    parts_of: list[list[tuple[DocumentDataset, float]]] = [[], [], []]
+    for prefix, s, be, weight in sources:
+        if prefix not in opened:
+            opened[prefix] = _open_checked(prefix, vocab_size, tokenizer)
+        docs = opened[prefix]
+        lo, hi = (0, len(docs)) if be is None else split_range(be, len(docs))
+        ds = DocumentDataset(docs, (lo, hi), max_seq_len, seed, split_long_documents, SPLIT_NAMES[s])
+        ds.vocab_size = None if vocab_size is None else int(vocab_size)
+        if s == 0 and len(ds) and not docs.has_trainable_tokens(lo, hi):
+            raise DataError(no_trainable_tokens_message(docs.prefix, "train", split))
+        if len(ds):
+            parts_of[s].append((ds, weight if weight is not None else float(len(ds))))
+    if len({d.has_loss_mask for parts in parts_of for d, _ in parts}) > 1:
         raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
+    prefixes = list(opened)
     check_same_data_on_every_rank(prefixes)
     out = []
-    for s, parts in enumerate(per_split):
+    for s, parts in enumerate(parts_of):
         if not parts:
             out.append(None)
         elif len(parts) == 1:
             out.append(parts[0][0])
         else:
             out.append(BlendedDocumentDataset([d for d, _ in parts], [w for _, w in parts]))
-    if out[0] is None and bookends[0] is not None:
+    asked = [any(src[1] == s for src in sources) for s in range(3)]  # a share in --split, or a path of its own
+    if out[0] is None and asked[0]:
         raise DataError(f"the train split of {' '.join(prefixes)} is empty with --split {split}")
     for s in (1, 2):
-        if out[s] is None and bookends[s] is not None and eval_iters > 0:
-            total = sum(len(IndexedDocuments(p)) for p in prefixes)
+        if out[s] is None and asked[s] and eval_iters > 0:
+            total = sum(len(opened[p]) for p in prefixes)
             raise DataError(empty_split_message(SPLIT_NAMES[s], " ".join(prefixes), 0, total, split, eval_iters))
     return tuple(out)

@@ -24,6 +24,7 @@ import numpy as np
 
 from dcp_ext.data.documents import (empty_split_message, no_trainable_tokens_message, parse_blend, split_bookends,
                                     split_range)
+from dcp_ext.data.data_paths import default_cache_dirs
 from dcp_ext.data.errors import DataError
 from dcp_ext.data.indexed import IndexedDocuments, check_same_data_on_every_rank, megatron_indexed
 
@@ -148,12 +149,31 @@ def _checked(dataset, docs_by_path: dict, vocab_size: int):
     return CheckedSamples(dataset, docs_by_path[dataset.dataset_path], vocab_size)
 
 
+def _checked_documents(prefix: str, tokenizer) -> IndexedDocuments:
+    docs = IndexedDocuments(prefix)
+    if len(docs) == 0 or int(docs.lengths.sum()) == 0:
+        raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
+    docs.check_tokenizer(tokenizer)
+    docs.check_vocab(int(tokenizer.vocab_size))
+    return docs
+
+
+def _per_split_blends(per_split, sizes) -> list:
+    """--train/valid/test-data-path as megatron-core's blend_per_split: (prefixes, weights) or
+    None per split; a split nothing asks samples of is not built."""
+    return [parse_blend(b) if b and n else None for b, n in zip(per_split, sizes)]
+
+
 def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: int, tokenizer,
-                                num_samples, cache_dir: str, reset_position_ids: bool = False,
+                                num_samples, cache_dir: str | None, reset_position_ids: bool = False,
                                 reset_attention_mask: bool = False, eod_mask_loss: bool = False,
-                                create_attention_mask: bool = False, eval_iters: int | None = None):
+                                create_attention_mask: bool = False, eval_iters: int | None = None,
+                                per_split=None):
     """-> (train, valid, test) megatron.core GPTDatasets (or BlendedDatasets); None for a 0 split.
     A split asked for samples that holds no token is refused (`eval_iters`: named in the line).
+    `per_split`: [train, valid, test] blends in --data-path's syntax (None where not given),
+    each split its datasets whole (upstream's --train/valid/test-data-path); `data_path` and
+    `split` are then unused. `cache_dir` None: megatron-core's default, next to the data.
 
     Items: {'tokens', 'labels', 'loss_mask', 'position_ids'} torch tensors of seq_length
     (plus 'attention_mask' with create_attention_mask). `num_samples`: (train, valid, test)
@@ -161,33 +181,38 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
     """
     if seq_length < 1:
         raise DataError("--seq-length must be >= 1")
-    prefixes, weights = parse_blend(data_path)
-    bookends = split_bookends(split)
     if len(num_samples) != 3:
         raise DataError("num_samples must be (train, valid, test)")
     sizes = [None if n is None else int(n) for n in num_samples]
     docs_by_path = {}
-    for prefix in prefixes:
-        docs = IndexedDocuments(prefix)
-        if len(docs) == 0 or int(docs.lengths.sum()) == 0:
-            raise DataError(f"dataset {prefix} is empty (no token in {prefix}.idx)")
-        docs.check_tokenizer(tokenizer)
-        docs.check_vocab(int(tokenizer.vocab_size))
-        _check_splits_have_tokens(docs, bookends, sizes, split, eval_iters)
-        docs_by_path[prefix] = docs
+    if per_split is not None:
+        blends = _per_split_blends(per_split, sizes)
+        prefixes = list(dict.fromkeys(p for b in blends if b for p in b[0]))
+        for prefix in prefixes:
+            docs_by_path[prefix] = _checked_documents(prefix, tokenizer)
+        blend_args = dict(blend=None, blend_per_split=blends, split=None)
+    else:
+        prefixes, weights = parse_blend(data_path)
+        bookends = split_bookends(split)
+        for prefix in prefixes:
+            docs = _checked_documents(prefix, tokenizer)
+            _check_splits_have_tokens(docs, bookends, sizes, split, eval_iters)
+            docs_by_path[prefix] = docs
+        if weights is not None and any(n is None for n, be in zip(sizes, bookends) if be is not None):
+            raise DataError("a weighted --data-path blend needs a sample count for every non-empty split")
+        blend_args = dict(blend=(prefixes, weights), split=split)
     if len({d.has_loss_mask for d in docs_by_path.values()}) > 1:
         raise DataError("--data-path mixes SFT datasets (with a loss mask) and plain ones")
     check_same_data_on_every_rank(prefixes)
-    if weights is not None and any(n is None for n, be in zip(sizes, bookends) if be is not None):
-        raise DataError("a weighted --data-path blend needs a sample count for every non-empty split")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    os.makedirs(cache_dir, exist_ok=True)
+    if cache_dir is not None:
+        os.makedirs(cache_dir, exist_ok=True)
     config = GPTDatasetConfig(
-        random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights), split=split,
+        random_seed=int(seed), sequence_length=int(seq_length), **blend_args,
         path_to_cache=cache_dir, tokenizer=tokenizer, mmap_bin_files=True,
         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
@@ -196,7 +221,8 @@ def build_fixed_length_datasets(data_path, split: str, seq_length: int, seed: in
         try:
             train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
         except (ValueError, EOFError, OSError) as e:
-            damaged = damaged_cache_files(cache_dir)
+            cache_dirs = [cache_dir] if cache_dir is not None else default_cache_dirs(prefixes)
+            damaged = [f for d in cache_dirs for f in damaged_cache_files(d)]
             if not damaged:
                 raise
             raise DataError(f"data cache file {damaged[0]} is damaged (cut short: another job may be writing the "

@@ -69,12 +69,21 @@ def check_ranges(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{_flag(dest)} {_show(value)} {words}")
 
 
+def data_paths_given(args: argparse.Namespace) -> bool:
+    """Upstream's other ways to name the data (dcp_ext/data/data_paths.py)."""
+    return any(getattr(args, name, None) is not None for name in (
+        "data_args_path", "train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path"))
+
+
 def check_files(args: argparse.Namespace) -> None:
     """Input files whose syntax is known before anything starts: the blend, the split, the profile."""
     from dcp_ext.data.documents import parse_blend, split_bookends
     from dcp_ext.data.errors import DataError
 
+    from dcp_ext.data.data_paths import resolve_args
+
     try:
+        resolve_args(args)  # --data-args-path, --train/valid/test-data-path, --per-split-data-args-path
         if args.data_path:
             parse_blend(args.data_path)
         split_bookends(args.split)
@@ -214,7 +223,8 @@ def validate_args(args: argparse.Namespace) -> None:
         args.num_microbatches = None
     if args.save_interval is not None:  # without --save it saves nothing (upstream's leniency)
         need(args.save_interval > 0, "--save-interval must be > 0")
-    need(args.demo_corpus or args.mock_data or args.data_path, "--data-path is required (or --mock-data / --demo-corpus)")
+    need(args.demo_corpus or args.mock_data or args.data_path or data_paths_given(args),
+         "--data-path is required (or --mock-data / --demo-corpus)")
     if args.recompute_granularity == "full":
         need(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
         need(args.recompute_num_layers is not None,

@@ -71,10 +71,8 @@ FAMILIES = {
     "skip_iters": (REFUSE, "skipping iterations is not supported here; drop it (every batch trains)"),
     "eval": (REFUSE, "this validation option is not wired here; validation runs --eval-iters batches of "
                      "--global-batch-size every --eval-interval"),
-    "split_paths": (REFUSE, "separate train/valid/test data paths are not supported here; use --data-path "
-                            "with --split"),
-    "data_args": (REFUSE, "data-argument files and phase transitions are not supported here; use --data-path "
-                          "(weight prefix weight prefix ...) with --split"),
+    "data_args": (REFUSE, "phase transitions and per-dataset sequence files are not supported here; use --data-path "
+                          "(weight prefix weight prefix ...) with --split, or --train/valid/test-data-path"),
     "doc_masking": (REFUSE, "this dataloader masking switch is not wired here; use --reset-position-ids "
                             "--reset-attention-mask (static) or --dcp (document-masked packing)"),
     "dataloader_type": (REFUSE, "only Megatron's single-pass pretraining sampler exists here; drop it or use "
