@@ -1,11 +1,12 @@
-"""pretrain_gpt_dcp.py with the first forward's logits of every rank written down.
+"""pretrain_gpt_dcp.py with the logits of every forward of every rank written down.
 
 Why it exists: tests/test_checkpoint_hf.py holds the logits of an imported model, on the
 static path and under --dcp, to the Hugging Face forward on the same tokens. The runs are
 the real entry point, unchanged; this wrapper only registers hooks on every GPTModel built:
-a pre-hook keeps the forward's tokens, position ids and packed-sequence offsets, and a hook
-on the output layer writes, once per rank, its logits (this rank's vocabulary shard) with
-the output layer's TP rank and size to `$HF_LOGITS_DUMP.RANK.pt`.
+a pre-hook keeps the forward's tokens, labels, position ids and packed-sequence offsets, and
+a hook on the output layer writes its logits (this rank's vocabulary shard) with the output
+layer's TP rank and size to `$HF_LOGITS_DUMP.RANK.K.pt` (the rank's K-th forward). Keep the
+runs short (one iteration): every forward is written.
 """
 import os
 import runpy
@@ -15,12 +16,13 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DUMP = os.environ["HF_LOGITS_DUMP"]
-_seen = {"inputs": None, "done": False}
+_seen = {"inputs": None, "count": 0}
 
 
 def _keep_inputs(module, args, kwargs):
     tokens = kwargs.get("input_ids", args[0] if args else None)
     positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+    labels = kwargs.get("labels")
     packed = kwargs.get("packed_seq_params")
     offsets = lengths = None
     if packed is not None:
@@ -29,18 +31,20 @@ def _keep_inputs(module, args, kwargs):
         lengths = (packed.cu_seqlens_q[1:] - packed.cu_seqlens_q[:-1]).cpu()
     _seen["inputs"] = {"tokens": None if tokens is None else tokens.detach().cpu(),
                        "positions": None if positions is None else positions.detach().cpu(),
+                       "labels": None if labels is None else labels.detach().cpu(),
                        "offsets": offsets, "lengths": lengths}
 
 
 def _dump_logits(layer, args, output):
-    if _seen["done"] or _seen["inputs"] is None or _seen["inputs"]["tokens"] is None:
+    if _seen["inputs"] is None or _seen["inputs"]["tokens"] is None:
         return
-    _seen["done"] = True
     logits = output[0] if isinstance(output, tuple) else output
     group = getattr(layer, "tp_group", None)
     tp_rank, tp_size = (group.rank(), group.size()) if group is not None else (0, 1)
     torch.save(dict(_seen["inputs"], logits=logits.detach().float().cpu(), tp_rank=tp_rank, tp_size=tp_size),
-               f"{DUMP}.{os.environ.get('RANK', '0')}.pt")
+               f"{DUMP}.{os.environ.get('RANK', '0')}.{_seen['count']}.pt")
+    _seen["count"] += 1
+    _seen["inputs"] = None
 
 
 def _install() -> None:

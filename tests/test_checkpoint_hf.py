@@ -4,13 +4,15 @@ weights loaded across the two paths (issue 28).
 A tiny random Llama (2 layers, hidden 64, 4 heads in 2 query groups, untied, RoPE base
 50000, its norm weights randomised too so a swapped norm would show) is built with
 `transformers` and saved locally; nothing is downloaded. Then:
-- imported, the logits of the first forward of a real run (tests/hf_logits_entry.py
+- imported, the logits of every forward of a real one-iteration run (tests/hf_logits_entry.py
   writes them) equal the Hugging Face forward's on the same tokens within 1e-5 (fp32): the
   static path at TP1 and TP2, and under --dcp (2 ranks, TP2 replicas; each packed document
   against its own HF forward);
 - `--dcp --finetune --load` of the static path's checkpoint (trained one step from the
   import) and the static path's `--finetune --load` of the --dcp run's checkpoint: their
-  logits equal those of the checkpoint exported to Hugging Face;
+  logits equal those of the checkpoint exported to Hugging Face, and the first iteration's
+  logged loss equals that model's loss on the same batch (1e-5) - the loss the other path
+  computes, since the other path's logits are the Hugging Face ones;
 - exported without training, the safetensors equal the original bit for bit and
   `transformers` loads them with the same logits; a Qwen2-style (QKV bias) and a tied
   model round-trip too;
@@ -65,7 +67,7 @@ def hf_model(path: str):
 
 
 def max_logit_difference(dump: str, hf) -> float:
-    """Largest |ours - HF| over the first forward's logits of every rank (vocabulary shards of
+    """Largest |ours - HF| over the logits of every forward of every rank (vocabulary shards of
     one TP group put together); packed documents each against their own HF forward."""
     import glob
 
@@ -93,6 +95,42 @@ def max_logit_difference(dump: str, hf) -> float:
                 ref = hf(input_ids=tokens[start : start + n][None]).logits[0]
                 worst = max(worst, float((ref - flat[start : start + n]).abs().max()))
     return worst
+
+
+def hf_loss(dump: str, hf) -> float:
+    """The Hugging Face model's per-token loss over every micro-batch the run's forwards saw
+    (the TP rank 0 copies): fixed-length samples against their labels, packed documents
+    against their next tokens (a document's last position has none), as the run counts them."""
+    import glob
+
+    import torch
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    for f in sorted(glob.glob(dump + ".*.pt")):
+        d = torch.load(f)
+        if d["tp_rank"] != 0:
+            continue
+        with torch.no_grad():
+            if d["offsets"] is None:
+                logits = hf(input_ids=d["tokens"]).logits
+                total += float(F.cross_entropy(logits.reshape(-1, VOCAB).double(), d["labels"].reshape(-1),
+                                               reduction="sum"))
+                count += d["labels"].numel()
+                continue
+            tokens, labels = d["tokens"].reshape(-1), d["labels"].reshape(-1)
+            for i, n in enumerate(d["lengths"].tolist()):
+                start = int(d["offsets"][i])
+                logits = hf(input_ids=tokens[start : start + n][None]).logits[0, : n - 1]
+                total += float(F.cross_entropy(logits.double(), labels[start : start + n - 1], reduction="sum"))
+                count += n - 1
+    return total / count
+
+
+def first_loss(imported, name: str) -> float:
+    losses = read_loss_log(str(imported.root / f"{name}.jsonl"))
+    assert [x["iteration"] for x in losses] == [1]
+    return losses[0]["lm loss"]
 
 
 def tensors_of(folder: str) -> dict:
@@ -191,7 +229,9 @@ def test_import_prints_the_model_flags_and_copies_the_tokenizer(imported):
 
 @pytest.mark.dist
 def test_static_tp1_logits_equal_hugging_face(imported, static_tp1):
-    assert max_logit_difference(static_tp1[0], hf_model(imported.hf)) < TOL
+    hf = hf_model(imported.hf)
+    assert max_logit_difference(static_tp1[0], hf) < TOL
+    assert first_loss(imported, "static_tp1") == pytest.approx(hf_loss(static_tp1[0], hf), abs=TOL)
 
 
 @pytest.mark.dist
@@ -203,8 +243,9 @@ def test_static_tp2_logits_equal_hugging_face(imported, text_corpus):
 
 @pytest.mark.dist
 def test_dcp_logits_equal_hugging_face(imported, dcp_tp2):
-    assert max_logit_difference(dcp_tp2[0], hf_model(imported.hf)) < TOL
-    assert [x["iteration"] for x in read_loss_log(str(imported.root / "dcp_tp2.jsonl"))] == [1]
+    hf = hf_model(imported.hf)
+    assert max_logit_difference(dcp_tp2[0], hf) < TOL
+    assert first_loss(imported, "dcp_tp2") == pytest.approx(hf_loss(dcp_tp2[0], hf), abs=TOL)
 
 
 @pytest.mark.dist
@@ -218,8 +259,8 @@ def test_dcp_finetunes_from_a_static_checkpoint(imported, static_tp1, text_corpu
     assert max_logit_difference(dump, trained) < TOL
     # the one static step moved the weights: the import's model gives other logits
     assert max_logit_difference(dump, hf_model(imported.hf)) > 1e-4
-    losses = read_loss_log(str(imported.root / "dcp_from_static.jsonl"))
-    assert [x["iteration"] for x in losses] == [1] and losses[0]["lm loss"] < 10
+    # its first loss is the static model's on the same batch (HF = the static path's logits, above)
+    assert first_loss(imported, "dcp_from_static") == pytest.approx(hf_loss(dump, trained), abs=TOL)
 
 
 @pytest.mark.dist
@@ -228,7 +269,9 @@ def test_static_path_finetunes_from_a_dcp_checkpoint(imported, dcp_tp2, text_cor
     flags = [f for f in run_flags(imported, text_corpus, "static_from_dcp") if f != imported.ckpt]
     flags[flags.index("--load") + 1:flags.index("--load") + 1] = [dcp_save]
     dump = run_dumped(imported, 1, flags, "static_from_dcp")
-    assert max_logit_difference(dump, hf_model(export(dcp_save, str(imported.root / "dcp_exported")))) < TOL
+    trained = hf_model(export(dcp_save, str(imported.root / "dcp_exported")))
+    assert max_logit_difference(dump, trained) < TOL
+    assert first_loss(imported, "static_from_dcp") == pytest.approx(hf_loss(dump, trained), abs=TOL)
 
 
 @pytest.mark.dist
