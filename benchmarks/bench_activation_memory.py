@@ -50,7 +50,7 @@ Model (Megatron flags, fp32 on the CPU): 4 layers, hidden 128, 4 heads / 2 query
 enough for 16K tokens on one core, large enough that the per-token terms dominate the
 per-parameter transients (under 1 MB).
 
-CPU attention: by default (`--cpu-attention math`) `dcp_ext.runtime.attention` calls SDPA on
+CPU attention: by default (`--cpu-attention math`) `dcp_ext.runtime.stages.attention` calls SDPA on
 3-D [heads, s, d] tensors, which torch runs on its math path: it keeps the softmax
 probabilities, heads x s^2 per document per layer, and GQA-expanded keys/values of the whole
 document on every CP rank. `--cpu-attention flash` (the run's `--dcp-cpu-attention flash`)
@@ -224,10 +224,10 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
 
     from dcp_ext.compat import mcore_compat
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.runtime.model import build_gpt_model
-    from dcp_ext.runtime.executor import localize, set_recompute
+    from dcp_ext.runtime.stages.model import build_gpt_model
+    from dcp_ext.runtime.schedule.executor import localize, set_recompute
     from dcp_ext.planning.layout import ReplicaType
-    from dcp_ext.runtime.groups import GroupRegistry
+    from dcp_ext.runtime.stages.groups import GroupRegistry
     from megatron.core import parallel_state
     from megatron.training.training import transformer_config_from_args
 

@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import AdaptiveRunConfig
     from megatron.training.training import transformer_config_from_args
 
     args = parse_args(list(argv if argv is not None else sys.argv[1:]) + ["--dcp", "--dcp-global-batch-tokens",
@@ -53,9 +54,7 @@ def main(argv=None) -> int:
                                                             sequence_parallel=sp),
         lambda config, pre, post, pg: entry.model_provider(config, pre_process=pre, post_process=post,
                                                            pg_collection=pg),
-        sequence_parallel=False, lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps,
-        clip_grad=args.clip_grad, overlap=bool(args.overlap_param_gather or args.overlap_grad_reduce),
-        bucket_numel=args.ddp_bucket_size,
+        AdaptiveRunConfig.from_args(args, on_cpu=False).engine,
     )
     cm = CostModel(ModelSpec.from_megatron_args(args), ClusterSpec.from_preset("h100x1"), None, 0.0)
     layout = Layout(1, 1, 1)

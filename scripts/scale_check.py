@@ -180,6 +180,7 @@ def build_engine(args, planner):
     import pretrain_gpt_dcp as entry
     from dcp_ext.runtime.engine import AdaptiveEngine
     from megatron.training import global_vars
+    from megatron.training.run_config import AdaptiveRunConfig
     from megatron.training.training import transformer_config_from_args
 
     types = planner.replica_types()
@@ -194,15 +195,9 @@ def build_engine(args, planner):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = AdaptiveEngine(
-            types, make_config, build_model, sequence_parallel=args.sequence_parallel,
-            lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-            clip_grad=args.clip_grad, init_seed=args.seed, init_std=args.init_method_std,
-            exchange=args.dcp_exchange,
-            overlap=bool(getattr(args, "overlap_param_gather", False) or getattr(args, "overlap_grad_reduce", False)),
-            grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
-            bucket_numel=getattr(args, "ddp_bucket_size", None), device=torch.device("meta"),
-        )
+        # as on the GPUs it stands for: overlap as the flags ask
+        engine = AdaptiveEngine(types, make_config, build_model,
+                                AdaptiveRunConfig.from_args(args, on_cpu=False, device="meta").engine)
     return engine
 
 
@@ -304,14 +299,14 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     engine_build_s = time.perf_counter() - t0
     held = engine.persistent_bytes()
     stage_numel = {f"{s.rep.label()}[s{s.rep.coords(chosen)[2]}]@{s.rep.ranks[0]}-{s.rep.ranks[-1]}": s.numel
-                   for s in engine.stages.values()}
+                   for s in engine.bank.stages.values()}
     log(f"{name}: engine built in {engine_build_s:.1f} s: {engine.space.numel:,} parameters, "
         f"{engine.registry.num_groups} process groups, {engine.sharding.num_buckets} buckets, "
         f"stages {stage_numel}")
 
     # communicators: the planner's count (every registered type's groups) and the engine's own
     mine_comms = communicators_per_rank(planner.replica_types(), world)
-    engine_comms = sum(1 for ranks in engine.registry._groups if len(ranks) > 1 and chosen in ranks)
+    engine_comms = sum(1 for ranks in engine.registry.rank_sets() if len(ranks) > 1 and chosen in ranks)
     per_layout = {str(l): cost_model_bytes(cm, l) for l in layouts}
     worst_layout = max(layouts, key=lambda l: cm.state_bytes(l))
     cm_kinds = per_layout[str(worst_layout)]
@@ -335,7 +330,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
         "cost_model_bytes": cm_kinds, "cost_model_total_bytes": cm_total, "cost_model_layout": str(worst_layout),
         "cost_model_per_layout_total": {k: sum(v.values()) for k, v in per_layout.items()},
         "kind_diff_bytes": kind_diff, "rel_diff": rel,
-        "engine_params": {"canonical": engine.space.numel, "buffer": engine.params.numel(),
+        "engine_params": {"canonical": engine.space.numel, "buffer": engine.bank.params.numel(),
                           "shard": engine.sharding.shard_numel(chosen), "stages": stage_numel,
                           "bucket_numel": engine.sharding.bucket_numel, "max_bucket_numel": engine.sharding.max_bucket_numel,
                           "padded_vocab_size": args.padded_vocab_size},

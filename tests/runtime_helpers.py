@@ -32,7 +32,7 @@ def tiny_args(world_size: int):
 
 
 def make_builders(args):
-    from dcp_ext.runtime.model import build_gpt_model
+    from dcp_ext.runtime.stages.model import build_gpt_model
     from megatron.training.training import transformer_config_from_args
 
     def make_config(tp, cp, pp, sp):
@@ -46,14 +46,18 @@ def make_builders(args):
     return make_config, build_model
 
 
-def make_engine(args, replica_types, sequence_parallel=False, exchange="targeted", **options):
-    """options: AdaptiveEngine's (overlap, bucket_numel, device, grad_scaler, ...)."""
+def make_engine(args, replica_types, grad_scaler=None, optimizer_options=None, **options):
+    """options: EngineOptions' fields (sequence_parallel, exchange, overlap, bucket_numel,
+    device, layer_strategies, ...); the optimizer AdamW from the args unless given."""
     from dcp_ext.runtime.engine import AdaptiveEngine
+    from dcp_ext.runtime.options import EngineOptions
+    from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
 
     make_config, build_model = make_builders(args)
-    return AdaptiveEngine(replica_types, make_config, build_model, sequence_parallel=sequence_parallel,
-                          lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps, clip_grad=args.clip_grad,
-                          exchange=exchange, **options)
+    optimizer = optimizer_options or OptimizerOptions(lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps,
+                                                      clip_grad=args.clip_grad)
+    return AdaptiveEngine(replica_types, make_config, build_model, EngineOptions(optimizer=optimizer, **options),
+                          grad_scaler=grad_scaler)
 
 
 def random_docs(n: int, seed: int, lo: int = 5, hi: int = 70) -> list[np.ndarray]:
@@ -105,7 +109,7 @@ class Reference:
 
     def __init__(self, engine, args, flat: torch.Tensor):
         make_config, build_model = make_builders(args)
-        self.model = build_model(make_config(1, 1, 1, False), True, True, engine.single_rank_collection())
+        self.model = build_model(make_config(1, 1, 1, False), True, True, engine.registry.single_rank_collection())
         self.space = engine.space
         with torch.no_grad():
             for name, p in self.model.named_parameters():

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dcp_ext.runtime.attention import KERNELS, document_causal_attention
-from dcp_ext.runtime.context_parallel import cp_token_indices
+from dcp_ext.runtime.stages.attention import KERNELS, document_causal_attention
+from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 from tests.helpers import run_ranks
 
 

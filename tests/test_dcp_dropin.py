@@ -151,7 +151,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     import pretrain_gpt_dcp
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.layout import ReplicaType
-    from megatron.training import global_vars, training, training_dcp
+    from megatron.training import global_vars, run_config, training
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel
@@ -164,7 +164,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
         args.decoupled_lr, args.decoupled_min_lr = decoupled
     docs = random_docs(8, seed=21)
     layout = [([0], 1, 1, 1, 1)]
-    engine = make_engine(args, [ReplicaType(1, 1, 1, (0,))], optimizer_options=training_dcp.optimizer_options_for(args))
+    engine = make_engine(args, [ReplicaType(1, 1, 1, (0,))], optimizer_options=run_config.optimizer_options_for(args))
     scheduler = training.build_lr_scheduler(args, engine.optimizer)
     init = engine.gather_canonical()
     runtime = []
@@ -299,7 +299,7 @@ def test_the_slurm_script_saves_before_the_time_limit_and_logs_where_it_can():
 def _sgd_resume_worker(rank, world):
     import torch
 
-    from dcp_ext.runtime.sharded_optimizer import OptimizerOptions, ShardedOptimizer
+    from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 
     opts = OptimizerOptions(optimizer="sgd", lr=0.1, weight_decay=0.1, sgd_momentum=0.9, clip_grad=0.0)
     runs = [(0, 6, False, False), (6, 8, True, False), (8, 12, False, True)]

@@ -18,7 +18,7 @@ def _worker(rank, world):
     args = tiny_args(world)
     engine = make_engine(args, [ReplicaType(1, 1, 1, (0,))])
     init = engine.gather_canonical()
-    model = engine.stages[ReplicaType(1, 1, 1, (0,))].runner.model
+    model = engine.bank.stages[ReplicaType(1, 1, 1, (0,))].runner.model
     calls = []
     for layer in model.decoder.layers:
         layer.register_forward_hook(lambda *a: calls.append(1))
@@ -30,7 +30,7 @@ def _worker(rank, world):
         plan = IterationPlan(0, [0, 1, 2, 3], [ReplicaPlan([0], 1, 1, 1, [MicroBatchPlan([0, 1], recompute),
                                                                               MicroBatchPlan([2, 3], recompute)])])
         engine_step(engine, plan, docs)
-        out[recompute] = (len(calls), engine.exchange.allgather(engine.optimizer.grad))
+        out[recompute] = (len(calls), engine.server.exchange.allgather(engine.optimizer.grad))
     return {"calls": [out[0][0], out[args.num_layers][0]], "layers": args.num_layers,
             "grad_diff": float((out[0][1] - out[args.num_layers][1]).abs().max())}
 

@@ -6,7 +6,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_document_attention_on_gpu_matches_cpu():
-    from dcp_ext.runtime.attention import document_causal_attention
+    from dcp_ext.runtime.stages.attention import document_causal_attention
 
     lengths = [100, 37, 300]
     g = torch.Generator().manual_seed(0)
@@ -20,7 +20,7 @@ def test_document_attention_on_gpu_matches_cpu():
 
 def test_transformer_engine_thd_attention_matches_ours():
     te = pytest.importorskip("transformer_engine.pytorch")
-    from dcp_ext.runtime.attention import document_causal_attention
+    from dcp_ext.runtime.stages.attention import document_causal_attention
 
     lengths = [128, 64, 256]
     cu = torch.tensor([0, 128, 192, 448], dtype=torch.int32, device="cuda")

@@ -10,7 +10,7 @@ rule itself (pure): every token reaches every rank that holds it next.
 import pytest
 import torch
 
-from dcp_ext.runtime.layer_switch import build_route, positions
+from dcp_ext.runtime.schedule.layer_switch import build_route, positions
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -74,8 +74,8 @@ def _worker(rank, world, sequence_parallel):
         engine.set_canonical(init, reset_optimizer=True)
         got = engine_step(engine, _plan(0, len(docs), replica, switched), docs)
         rep = types[i]
-        built = len(engine.stages[rep].runner.model.decoder.layers)
-        bound = sum(p.numel() for alt in engine.alternatives[rep].values() for p in alt.model.parameters())
+        built = len(engine.bank.stages[rep].runner.model.decoder.layers)
+        bound = sum(p.numel() for alt in engine.bank.alternatives[rep].values() for p in alt.model.parameters())
         report[name] = {"built": built, "bound": bound,
                         **step_errors(engine, got, Reference(engine, args, init) if rank == 0 else None, docs)}
     # two steps in a row: the second binds other alternative layers than the first

@@ -262,7 +262,7 @@ def test_half_precision_attention_returns_its_dtype_and_matches_fp32():
     rounding units of fp32 attention over the same (rounded) inputs."""
     import torch
 
-    from dcp_ext.runtime.attention import document_causal_attention
+    from dcp_ext.runtime.stages.attention import document_causal_attention
 
     g = torch.Generator().manual_seed(0)
     lengths = [40, 70, 18]

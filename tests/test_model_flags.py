@@ -114,7 +114,7 @@ def _model_worker(rank, world, extra):
     import torch
     from megatron.core import parallel_state
 
-    from dcp_ext.runtime.model import build_gpt_model
+    from dcp_ext.runtime.stages.model import build_gpt_model
     from megatron.training.training import transformer_config_from_args
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -166,7 +166,7 @@ def test_model_shape_flags():
 
 
 def test_engine_initialises_zero_centred_norms_at_zero():
-    from dcp_ext.runtime.initial_values import init_values
+    from dcp_ext.runtime.params.initial_values import init_values
 
     name = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
     assert float(init_values(name, 0, 8, 1, 0.02, 4).min()) == 1.0
@@ -178,8 +178,10 @@ def _llama_step_worker(rank, world):
     import torch
 
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.runtime.model import build_gpt_model
+    from dcp_ext.runtime.stages.model import build_gpt_model
     from dcp_ext.runtime.engine import AdaptiveEngine
+    from dcp_ext.runtime.options import EngineOptions
+    from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
     from dcp_ext.planning.layout import ReplicaType
     from megatron.training.arguments import parse_args
     from megatron.training.training import transformer_config_from_args
@@ -199,12 +201,13 @@ def _llama_step_worker(rank, world):
                                rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
 
     layout = [([0, 1], 2, 1, 1, 2)]
-    engine = AdaptiveEngine([ReplicaType(2, 1, 1, (0, 1))], make_config, build, sequence_parallel=True,
-                            lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps, clip_grad=args.clip_grad)
+    engine = AdaptiveEngine([ReplicaType(2, 1, 1, (0, 1))], make_config, build, EngineOptions(
+        OptimizerOptions(lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps, clip_grad=args.clip_grad),
+        sequence_parallel=True))
     init = engine.gather_canonical()
     docs = random_docs(8, seed=3)
     got = engine_step(engine, plan_for(0, layout, len(docs)), docs)
-    ref = build(make_config(1, 1, 1, False), True, True, engine.single_rank_collection())
+    ref = build(make_config(1, 1, 1, False), True, True, engine.registry.single_rank_collection())
     with torch.no_grad():
         for name, p in ref.named_parameters():
             t = engine.space.tensors[name]

@@ -24,7 +24,7 @@ class _Plan:
 
 def _reduce_on_rank(rank, world):
     """Ranks 0,1: the two stages of replica 0; rank 2: replica 1; rank 3: replica 2."""
-    from dcp_ext.runtime.timing import LocalTimings, reduce_step
+    from dcp_ext.runtime.schedule.timing import LocalTimings, reduce_step
 
     replica, stage, count = [(0, 0, 2), (0, 1, 2), (1, 0, 3), (2, 0, 1)][rank]
     local = LocalTimings(replica, stage, [0.1 * (rank + 1) * (j + 1) for j in range(count)], 0.01 * (rank + 1),

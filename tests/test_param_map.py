@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from dcp_ext.runtime.param_map import CanonicalTensor, Runs, describe
-from dcp_ext.runtime.sharding import FixedSharding
+from dcp_ext.runtime.params.param_map import CanonicalTensor, Runs, describe
+from dcp_ext.runtime.params.sharding import FixedSharding
 
 
 def _elements(runs):

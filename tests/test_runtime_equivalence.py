@@ -57,7 +57,7 @@ def step_errors(engine, got, ref, docs) -> dict:
     """Relative errors of one engine step against the reference's step on the same docs:
     loss, gradient norm, pushed gradients, updated parameters."""
     loss, norm, ref_grad, ref_params = _reference_step(ref, docs, engine.space.numel)
-    pushed = engine.exchange.allgather(engine.optimizer.grad)
+    pushed = engine.server.exchange.allgather(engine.optimizer.grad)
     return {
         "loss": abs(got.loss - loss) / abs(loss),
         "norm": abs(got.grad_norm - norm) / norm,
@@ -91,7 +91,7 @@ def _worker(rank, world, sequence_parallel, exchange, overlap):
         loss, norm, _, ref_params = _reference_step(ref, docs, engine.space.numel)
         worst = max(worst, abs(got.loss - loss) / abs(loss), abs(got.grad_norm - norm) / norm)
     report["sequence"] = {"loss_norm": worst, "params": _relative_error(engine.gather_canonical(), ref_params)}
-    report["bytes"] = [engine.exchange.bytes_pulled, engine.exchange.bytes_pushed]
+    report["bytes"] = [engine.server.exchange.bytes_pulled, engine.server.exchange.bytes_pushed]
     return report
 
 

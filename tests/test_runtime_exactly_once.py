@@ -37,11 +37,11 @@ def _worker(rank, world, lengths):
         it = planner.plan_iteration(index, ids, [truncated[i] for i in ids])
         validate_iteration(it, world, args.num_layers, args.num_attention_heads, args.num_query_groups)
         layouts.add(tuple(sorted((r.tp, r.cp, r.pp) for r in it.replicas)))
-        rep = engine.my_replica(it)
-        each, total = engine.padding_for(rep.replica_type)
+        local = engine.local_plan(it)
         batches = []
-        for mb in rep.micro_batches:
-            b = build_micro_batch([docs[i] for i in mb.sample_ids], pad_each_to=each, pad_total_to=total)
+        for mb in local.replica.micro_batches:
+            b = build_micro_batch([docs[i] for i in mb.sample_ids], pad_each_to=local.pad_each_to,
+                                  pad_total_to=local.pad_total_to)
             for k, i in enumerate(mb.sample_ids):  # weight each document's loss positions
                 b.loss_mask[int(b.cu_seqlens_padded[k]) : int(b.cu_seqlens_padded[k + 1])] *= weight(i)
             batches.append(b)

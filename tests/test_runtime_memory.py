@@ -26,10 +26,10 @@ def _worker(rank, world, which):
     pool = {"one": ONE, "many": MANY}[which]
     types = [ReplicaType(tp, cp, pp, ranks) for ranks, tp, cp, pp in pool]
     engine = make_engine(tiny_args(world), types, overlap=True)
-    shared = {engine.params.untyped_storage().data_ptr(), engine.main_grads.untyped_storage().data_ptr()}
-    storages = {lp.param.untyped_storage().data_ptr() for st in engine.stages.values() for lp in st.local}
-    storages |= {lp.param.main_grad.untyped_storage().data_ptr() for st in engine.stages.values() for lp in st.local}
-    return {"types_here": len(engine.stages), "bytes": engine.persistent_bytes(),
+    shared = {engine.bank.params.untyped_storage().data_ptr(), engine.bank.main_grads.untyped_storage().data_ptr()}
+    storages = {lp.param.untyped_storage().data_ptr() for st in engine.bank.stages.values() for lp in st.local}
+    storages |= {lp.param.main_grad.untyped_storage().data_ptr() for st in engine.bank.stages.values() for lp in st.local}
+    return {"types_here": len(engine.bank.stages), "bytes": engine.persistent_bytes(),
             "foreign_storages": len(storages - shared)}
 
 

@@ -52,14 +52,14 @@ def _bf16_worker(rank, world):
     init = engine.gather_canonical()
     docs = random_docs(14, seed=5)
     got = engine_step(engine, plan_for(0, MIXED, len(docs), recompute_every=2), docs)
-    pushed = engine.exchange.allgather(engine.optimizer.grad)
-    stage = next(iter(engine.stages.values()))
-    views = all(lp.param.main_grad.data_ptr() >= engine.main_grads.data_ptr() and
+    pushed = engine.server.exchange.allgather(engine.optimizer.grad)
+    stage = next(iter(engine.bank.stages.values()))
+    views = all(lp.param.main_grad.data_ptr() >= engine.bank.main_grads.data_ptr() and
                 lp.param.main_grad.dtype == torch.float32 and lp.param.dtype == torch.bfloat16 for lp in stage.local)
     ref = Reference(engine, tiny_args(world), init)  # fp32, plain torch, one process
     loss, norm = ref.step(docs)
     return {
-        "dtypes": [str(engine.params.dtype), str(engine.main_grads.dtype), str(engine.optimizer.master().dtype),
+        "dtypes": [str(engine.bank.params.dtype), str(engine.bank.main_grads.dtype), str(engine.optimizer.master().dtype),
                    str(engine.optimizer.grad.dtype)],
         "views": views,
         "loss": abs(got.loss - loss) / abs(loss),
@@ -105,7 +105,7 @@ def _fp16_worker(rank, world):
             break
     ref = Reference(engine, tiny_args(world), init)
     loss, norm = ref.step(docs)
-    return {"steps": steps, "ref_loss": loss, "ref_norm": norm, "dtype": str(engine.params.dtype),
+    return {"steps": steps, "ref_loss": loss, "ref_norm": norm, "dtype": str(engine.bank.params.dtype),
             "update": _update_error(engine.gather_canonical(), ref.flat(), init),
             "scale_after": float(scaler.scale.item())}
 

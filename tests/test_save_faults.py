@@ -68,6 +68,8 @@ def _engine(args):
     import pretrain_gpt_dcp
     from dcp_ext.planning.layout import ReplicaType
     from dcp_ext.runtime.engine import AdaptiveEngine
+    from dcp_ext.runtime.options import EngineOptions
+    from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
     from megatron.training.initialize import set_random_seed_without_parallel_state
     from megatron.training.training import build_lr_scheduler, transformer_config_from_args
 
@@ -79,7 +81,7 @@ def _engine(args):
                                                             pipeline_model_parallel_size=pp, sequence_parallel=sp),
         lambda config, pre, post, pg: pretrain_gpt_dcp.model_provider(config, pre_process=pre, post_process=post,
                                                                       pg_collection=pg),
-        sequence_parallel=False, lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps)
+        EngineOptions(OptimizerOptions(lr=args.lr, weight_decay=args.weight_decay, eps=args.adam_eps)))
     return engine, build_lr_scheduler(args, engine.optimizer)
 
 
@@ -179,7 +181,7 @@ def _serve() -> None:
 
     import pretrain_gpt_dcp  # noqa: F401
     from dcp_ext.compat import cpu_compat  # noqa: F401
-    from dcp_ext.runtime import model  # noqa: F401
+    from dcp_ext.runtime.stages import model  # noqa: F401
     from dcp_ext.runtime import engine  # noqa: F401
     from megatron.training import checkpointing_adaptive, training  # noqa: F401
 

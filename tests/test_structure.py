@@ -144,3 +144,87 @@ def test_the_checks_see_what_they_check(tmp_path):
     finally:
         ROOT = old
     assert {"dcp_ext.planning.plan", "dcp_ext.runtime.engine", "torch"} <= got
+
+
+def private_names_defined(path: str) -> set[str]:
+    """Every `_name` a module defines: top-level functions, classes and assignments, the
+    methods of its classes and the attributes they set on `self`."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name):
+                    out.add(t.id)
+                elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.add(t.attr)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reaches(path: str, ours: dict[str, set[str]]) -> list[str]:
+    """Where a module takes a private name another of our modules defines (and it does not):
+    `from mod import _x` or `obj._x` on anything but self, cls or super(). A package may
+    import its own private submodule (a compiled extension: `from dcp_ext.assign import _kernels`)."""
+    me = module_name(path)
+    mine = ours.get(me, set())
+    elsewhere = set().union(*(names for name, names in ours.items() if name != me)) - mine
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                private = a.name.startswith("_") and not a.name.startswith("__")
+                own_package = is_module(f"{node.module}.{a.name}") and me.rpartition(".")[0] == node.module
+                if private and not own_package and (node.module in ours or is_module(f"{node.module}.{a.name}")):
+                    bad.append(f"{me}:{node.lineno} imports {node.module}.{a.name}")
+        elif isinstance(node, ast.Attribute) and node.attr in elsewhere:
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            bad.append(f"{me}:{node.lineno} reaches {ast.unparse(node)}")
+    return sorted(bad, key=lambda b: int(b.split(":")[1].split()[0]))
+
+
+def test_no_module_reaches_into_another_modules_private_names(graph):
+    mods, _ = graph
+    ours = {name: private_names_defined(path) for name, path in mods.items()}
+    bad = [b for path in mods.values() for b in private_reaches(path, ours)]
+    assert not bad, bad
+
+
+def test_the_private_name_check_sees_what_it_checks(tmp_path):
+    """A private method called from another module, a private function imported and a private
+    attribute read off an object are caught; self, super() and same-module use are not."""
+    pkg = tmp_path / "dcp_ext" / "runtime"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("class A:\n    def _hidden(self):\n        self._x = 1\n        return self._x\n"
+                              "    def ok(self, other):\n        return other._hidden()\n"
+                              "def _helper():\n    pass\n")
+    (pkg / "b.py").write_text("from dcp_ext.runtime.a import _helper\n"
+                              "def f(a):\n    a._hidden()\n    return a._x\n"
+                              "class B:\n    def g(self):\n        return super()._hidden()\n")
+    global ROOT
+    old, ROOT = ROOT, str(tmp_path)
+    try:
+        paths = {module_name(str(p)): str(p) for p in (pkg / "a.py", pkg / "b.py")}
+        ours = {name: private_names_defined(p) for name, p in paths.items()}
+        found = {name: private_reaches(p, ours) for name, p in paths.items()}
+    finally:
+        ROOT = old
+    assert found["dcp_ext.runtime.a"] == []
+    assert found["dcp_ext.runtime.b"] == ["dcp_ext.runtime.b:1 imports dcp_ext.runtime.a._helper",
+                                          "dcp_ext.runtime.b:3 reaches a._hidden",
+                                          "dcp_ext.runtime.b:4 reaches a._x"]
+
+
+def test_the_engine_reads_as_the_step_it_runs():
+    """The engine builds its owners and runs the step: no bigger than the step needs."""
+    with open(os.path.join(ROOT, "dcp_ext", "runtime", "engine.py")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 200, len(lines)

@@ -18,7 +18,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from megatron.training import checkpointing  # noqa: E402
-from megatron.training.checkpoint_protocol import _common_args, save_sharded_atomic  # noqa: E402
+from megatron.training.checkpoint_protocol import common_args, save_sharded_atomic  # noqa: E402
 
 UPSTREAM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                      "chained_optim_avoid_prefix": True}
@@ -44,7 +44,7 @@ def _upstream_rng():
 def save_as_upstream(args, iteration, consumed_samples, model, optimizer, scheduler):
     from megatron.core import parallel_state as ps
 
-    saved_args = _common_args(args)
+    saved_args = common_args(args)
     saved_args.consumed_train_samples = consumed_samples
     saved_args.iteration = iteration
     metadata = dict(UPSTREAM_METADATA, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))

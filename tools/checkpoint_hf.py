@@ -415,7 +415,7 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name].to(p.dtype))
-    state = {"args": ckpt._common_args(args), "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0,
+    state = {"args": ckpt.common_args(args), "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": 0,
              "consumed_train_samples": 0, "imported_from": source, "model": model.sharded_state_dict()}
     ckpt.save_sharded_atomic(save, 0, state)
 

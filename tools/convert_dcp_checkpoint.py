@@ -14,7 +14,7 @@ How: T*P gloo ranks on the CPU, GPUs hidden (spawned by this script, or the rank
 `torchrun --nproc_per_node T*P` launch) initialise megatron-core's parallel state at
 (T, P), build their GPTModel stage with `pretrain_gpt_dcp.model_provider` (the static
 path's model), map every local parameter into the canonical space with
-`dcp_ext.runtime.param_map.map_stage` (the same map the adaptive runtime pulls with), fill
+`dcp_ext.runtime.params.param_map.map_stage` (the same map the adaptive runtime pulls with), fill
 it from the checkpoint's canonical tensors, and save with
 `megatron.training.checkpoint_protocol.save_sharded_atomic` (the tracker only ever names a
 complete export).
@@ -265,7 +265,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from dcp_ext.runtime.param_map import CanonicalSpace, map_stage
+    from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
     from megatron.training import checkpoint_protocol as ckpt
     from megatron.training import global_vars
     from megatron.training.training import transformer_config_from_args
@@ -329,7 +329,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
             value = state["dcp.param." + canonical_name_in_checkpoint(t.name, saved_set)].reshape(-1)[rel]
             lp.param.data.copy_(value.to(lp.param.dtype))
     out = {
-        "args": ckpt._common_args(args),
+        "args": ckpt.common_args(args),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": common.get("consumed_train_samples", 0),

@@ -129,7 +129,7 @@ def first_at_most(mem: list[tuple[int, int]], x: int) -> int:
     return bisect_left(mem, (-x, -1))
 
 
-def _crossing(A, B, lo: int, hi: int) -> int:
+def crossing(A, B, lo: int, hi: int) -> int:
     """Smallest p in [lo, hi) with A(p) >= B(p) (A non-decreasing, B non-increasing), else hi."""
     while lo < hi:
         mid = (lo + hi) // 2
@@ -239,7 +239,7 @@ class _Search:
                 m2 = cr if cr > st.mx[r] else st.mx[r]
                 return self.est(pr, st.W[r] + cr, st.T[r] + l, m2, nr + 1)
 
-            ps = _crossing(A, B, lo, nc)
+            ps = crossing(A, B, lo, nc)
             for p in (ps - 1, ps):
                 if lo <= p < nc:
                     a, b = A(p), B(p)
@@ -286,7 +286,7 @@ class _Search:
                     m_new = ci_r if ci_r > mr_after else mr_after
                     return self.est(pr, st.W[r] - cj_r + ci_r, st.T[r] - lj + li, m_new, nr)
 
-                ps = _crossing(A, B, lo, hi)
+                ps = crossing(A, B, lo, hi)
                 for p in (ps - 1, ps):
                     if lo <= p < hi:
                         a, b = A(p), B(p)

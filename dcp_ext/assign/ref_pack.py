@@ -27,7 +27,7 @@ import math
 from bisect import bisect_left, insort
 
 from .model import seq_cost
-from .ref_balance import REL_TOL, _crossing, first_at_most, perturbed_order, sorted_order
+from .ref_balance import REL_TOL, crossing, first_at_most, perturbed_order, sorted_order
 from .rng import SplitMix64
 
 GOOD_ENOUGH = 1e-4  # stop improving once (pp-1) * (largest - its lower bound) < this * LB(v)
@@ -132,7 +132,7 @@ def improve(b: Bins, costs, cap: int, budget: int, good_enough: float) -> None:
                 evals += 1
                 return b.C[j] + costs[memk[p][1]]
 
-            ps = _crossing(A, B, lo, nk)
+            ps = crossing(A, B, lo, nk)
             for p in (ps - 1, ps):
                 if lo <= p < nk:
                     x, y = A(p), B(p)
@@ -168,7 +168,7 @@ def improve(b: Bins, costs, cap: int, budget: int, good_enough: float) -> None:
                         evals += 1
                         return b.C[j] - cj + costs[memk[p][1]]
 
-                    ps = _crossing(A, B, lo, hi)
+                    ps = crossing(A, B, lo, hi)
                     for p in (ps - 1, ps):
                         if lo <= p < hi:
                             x, y = A(p), B(p)

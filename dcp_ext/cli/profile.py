@@ -2,7 +2,7 @@
 
 Why it exists: the analytic cost model is a guess about the hardware; the planner is only
 as good as its prices. This tool times what the runtime really does (megatron-core stage
-models built by `dcp_ext.runtime.model`, run by the runtime's `StageRunner` with the runtime's
+models built by `dcp_ext.runtime.stages.model`, run by the runtime's `StageRunner` with the runtime's
 process groups) over `dcp_ext.planning.profile.profile_grid`'s document lengths and layouts, then
 fits and saves the profile that `--dcp-cost-profile` / `dcp-plan --profile` read.
 
@@ -155,9 +155,9 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
     """This rank's stage model of replica `rep` (the runtime's builder and runner) and its
     share of every micro-batch in `idx`: {point index: (LocalMicroBatch, loss scale)}."""
     from dcp_ext.data.thd import build_micro_batch
-    from dcp_ext.runtime.model import build_gpt_model
-    from dcp_ext.runtime.initial_values import seed_rng_tracker
-    from dcp_ext.runtime.executor import StageRunner, localize
+    from dcp_ext.runtime.stages.model import build_gpt_model
+    from dcp_ext.runtime.params.initial_values import seed_rng_tracker
+    from dcp_ext.runtime.schedule.executor import StageRunner, localize
 
     args = job.args
     tp, cp, pp = rep.tp, rep.cp, rep.pp
@@ -174,7 +174,7 @@ def _stage(rank: int, rep, registry, job: Job, idx: list[int], device):
                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                             rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if device is not None:
-        model = model.to(device)  # dcp_ext.runtime.model's torch norms are built on the CPU even with CUDA (no TE)
+        model = model.to(device)  # dcp_ext.runtime.stages.model's torch norms are built on the CPU even with CUDA (no TE)
     runner = StageRunner(model, config, rep, rank, config.num_layers)
     vocab = min(args.padded_vocab_size, 256)
     mbs = {}
@@ -197,7 +197,7 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
     from dcp_ext.compat import mcore_compat
     from dcp_ext.data.progress import Progress
     from dcp_ext.planning.layout import ReplicaType
-    from dcp_ext.runtime.groups import GroupRegistry
+    from dcp_ext.runtime.stages.groups import GroupRegistry
 
     device = torch.device("cuda", rank) if job.cuda else None
     sync = torch.cuda.synchronize if job.cuda else (lambda: None)

@@ -76,7 +76,7 @@ class RelaxedPrices:
         """Per-row terms (already / cp) least over the re-factorings."""
         out: dict = {}
         for s in self._strategies(lay):
-            a = self.cm._act_terms(Layout(s[0], s[1], lay.pp))
+            a = self.cm.act_terms(Layout(s[0], s[1], lay.pp))
             for k, v in a.items():
                 out[k] = min(out.get(k, np.inf), v / s[1])
         return out

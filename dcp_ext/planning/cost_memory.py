@@ -120,7 +120,7 @@ class MemoryAccounting:
                 self.buffer_by_layout[Layout(*lay)] = max(self.buffer_by_layout.get(Layout(*lay), 0.0), worst)
 
     @lru_cache(maxsize=None)
-    def _act_terms(self, layout: Layout) -> dict:
+    def act_terms(self, layout: Layout) -> dict:
         """Activation bytes per row of a micro-batch on one device (rows = T/cp tokens), from
         what autograd saves in megatron-core's layers (see the comment on each term).
 
@@ -136,8 +136,8 @@ class MemoryAccounting:
         e = m.activation_bytes
         h, f, kv, d, heads = m.hidden_size, m.ffn_hidden_size, m.kv_size, m.head_dim, m.num_attention_heads
         sp = t if (t == 1 or m.sequence_parallel) else 1
-        # The CPU backend (no transformer-engine): dcp_ext.runtime.model.layer_spec puts megatron-core's
-        # local spec together with dcp_ext.runtime.attention's core attention and torch norms, and runs
+        # The CPU backend (no transformer-engine): dcp_ext.runtime.stages.model.layer_spec puts megatron-core's
+        # local spec together with dcp_ext.runtime.stages.attention's core attention and torch norms, and runs
         # what transformer_config_from_args configures: no bias-activation fusion, no RoPE
         # fusion. The GPU terms assume upstream Megatron's GPU settings instead: TE layers,
         # fused bias-SwiGLU (--bias-swiglu-fusion) and fused RoPE.
@@ -170,7 +170,7 @@ class MemoryAccounting:
         drop = 2.0 * h / sp if m.hidden_dropout else 0.0
         flash = cpu and m.cpu_attention == "flash"
         if flash:
-            # dcp_ext.runtime.attention with --dcp-cpu-attention flash: SDPA on 4-D tensors runs
+            # dcp_ext.runtime.stages.attention with --dcp-cpu-attention flash: SDPA on 4-D tensors runs
             # torch's CPU flash kernel, which keeps its inputs as given, its output and fp32
             # log-sum-exp (heads/t values), measured by bench_activation_memory.py --cpu-attention
             # flash. Without CP: q and k after RoPE (h/t, kv/t), v's view keeps linear_qkv's
@@ -182,7 +182,7 @@ class MemoryAccounting:
             attn = (qkv + h + h) * e / t + heads / t * 4.0
             norm_extra = 2.0 * (h + 1.0) * e / sp
         elif cpu:
-            # dcp_ext.runtime.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
+            # dcp_ext.runtime.stages.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
             # the CPU flash kernel). It keeps q*scale (h/t), the GQA-expanded k*scale and v of
             # the whole document (h/t each per key row: a CP rank all-gathers keys and values,
             # so cp key rows per local query row) and the concatenated output (linear_proj's
@@ -248,7 +248,7 @@ class MemoryAccounting:
         latter. `lengths`: the micro-batch's (padded) document lengths, for the terms that are
         quadratic in them (CPU attention's probabilities; none on GPUs); without them those
         terms are left out."""
-        a = self._act_terms(Layout(*layout))
+        a = self.act_terms(Layout(*layout))
         Ls = self.layers_per_stage(layout)
         rs = min(rs, Ls)
         cp = layout.cp
@@ -282,7 +282,7 @@ class MemoryAccounting:
         k = len(mb_tokens)
         if k == 0:
             return self.state_bytes(layout)
-        tied = self._tied_bytes(layout)
+        tied = self.tied_bytes(layout)
         keep = np.empty(k)
         trans = np.empty(k)
         last = np.empty(k)
@@ -301,7 +301,7 @@ class MemoryAccounting:
             peak = max(peak, float((win + tmax).max()))
         return self.state_bytes(layout) + peak
 
-    def _tied_bytes(self, layout: Layout) -> float:
+    def tied_bytes(self, layout: Layout) -> float:
         """Tied embeddings in one stage: the output layer's weight gradient waits for the
         embedding's (autograd sums the two before accumulating), [V/tp, h] through the
         layers' backward; with pp > 1 the last stage's output weight is a parameter of its own."""
@@ -316,7 +316,7 @@ class MemoryAccounting:
     # the same arithmetic as replica_peak_bytes, which the simulator's memory check runs.
     def quadratic(self, layout: Layout) -> bool:
         """Whether this layout's activation memory has a term quadratic in document lengths."""
-        return self._act_terms(Layout(*layout))["pair"] > 0
+        return self.act_terms(Layout(*layout))["pair"] > 0
 
     def padded_lengths(self, layout: Layout, lengths: Sequence[int]) -> list[int]:
         """A micro-batch's document lengths as the runtime pads them under `layout` (the
@@ -339,7 +339,7 @@ class MemoryAccounting:
         layout = Layout(*layout)
         t = float(sum(lengths))
         kp, tr, lg = self.act_bytes_per_token(layout, rs, lengths)
-        return kp * t, tr * t, kp * t + max((tr + lg) * t, tr * t + self._tied_bytes(layout))
+        return kp * t, tr * t, kp * t + max((tr + lg) * t, tr * t + self.tied_bytes(layout))
 
     def fits_in_flight(self, layout: Layout, rs: int, lengths: Sequence[int], in_flight: int = 1) -> bool:
         """Whether a micro-batch of these padded lengths fits beside the model state alone and,

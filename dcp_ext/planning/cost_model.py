@@ -132,6 +132,7 @@ class CostModel(MemoryAccounting):
         self.memory_margin = memory_margin
         self._coeffs: dict[tuple[Layout, int], StageCoeffs] = {}
         self._coeff_tables: dict[tuple[Layout, int], np.ndarray] = {}  # coeff_table's
+        self.layer_price_cache = None  # simulator.layer_prices' LayerPrices, cleared on recalibration
         self._prior: dict[tuple[Layout, int], StageCoeffs] = {}
         self._prior_sync: dict[tuple, float] = {}  # prior_sync_time per (layout, num_replicas, profile)
         self.calibration = None  # a dcp_ext.planning.calibration.Calibration, set by the training loop
@@ -181,7 +182,7 @@ class CostModel(MemoryAccounting):
         key = (Layout(*layout), int(rs))
         got = self._prior.get(key)
         if got is None:
-            got = self._analytic_coeffs(*key)
+            got = self.analytic_coeffs(*key)
             if self.profile is not None:
                 got = self.profile.calibrate(self, key[0], key[1], got)
             self._prior[key] = got
@@ -214,9 +215,8 @@ class CostModel(MemoryAccounting):
         """The calibration changed: prices are recomputed from it on next use."""
         self._coeffs.clear()
         self._coeff_tables.clear()
-        lp = getattr(self, "_layer_prices", None)
-        if lp is not None:
-            lp.clear()
+        if self.layer_price_cache is not None:
+            self.layer_price_cache.clear()
 
     @property
     def iteration_overhead_s(self) -> float:
@@ -226,7 +226,7 @@ class CostModel(MemoryAccounting):
 
     def analytic_terms(self, layout: Layout) -> dict[str, float]:
         """The analytic price's pieces for one layout, per layer and per stage (seconds per
-        token, per unit of sum s^2, or per micro-batch): what `_analytic_coeffs` assembles
+        token, per unit of sum s^2, or per micro-batch): what `analytic_coeffs` assembles
         into a stage's coefficients and `dcp_ext.planning.layer_cost` into one layer's."""
         m, cl, g = self.model, self.cluster, self.cluster.gpu
         tp, cp, pp = layout
@@ -266,7 +266,7 @@ class CostModel(MemoryAccounting):
                     cp_comm=cp_comm, cp_fixed=cp_fixed, log_pt=log_pt, log_fixed=log_fixed, p2p_pt=p2p_pt,
                     p2p_fixed=p2p_fixed, overhead=g.micro_batch_overhead_s, doc=g.attention_doc_overhead_s)
 
-    def _analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
+    def analytic_coeffs(self, layout: Layout, rs: int) -> StageCoeffs:
         tp, cp, pp = layout
         Ls = self.layers_per_stage(layout)
         rs = min(rs, Ls)

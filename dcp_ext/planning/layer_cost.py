@@ -85,7 +85,7 @@ class LayerPrices:
         got = self._ratio.get(lay)
         if got is None:
             cal = self.cm.coeffs(lay, 0)
-            ana = self.cm._analytic_coeffs(lay, 0)
+            ana = self.cm.analytic_coeffs(lay, 0)
             got = {}
             for f in _FIELDS:
                 a, c = getattr(ana, f), getattr(cal, f)

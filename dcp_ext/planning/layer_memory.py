@@ -6,7 +6,7 @@ that any of its micro-batches uses, that layer's parameters in that strategy's s
 (compute dtype) plus an fp32 main gradient; with uneven stages (OmniBal) each stage holds
 its own number of layers and its own 1F1B window. `cost_memory.replica_peak_bytes`
 prices the uniform case (identical stages, one strategy); this module prices every stage
-of the general one with the same per-row terms (`_act_terms`), so that on a uniform
+of the general one with the same per-row terms (`act_terms`), so that on a uniform
 replica both give the same bytes.
 
 Per stage p (layers [first, end), 1F1B keeps min(pp - p, m) micro-batches in flight):
@@ -30,7 +30,7 @@ from dcp_ext.planning.layout import Layout
 
 
 def _terms(cm: CostModel, s: Strategy, pp: int) -> dict:
-    a = cm._act_terms(Layout(s[0], s[1], pp))
+    a = cm.act_terms(Layout(s[0], s[1], pp))
     cp = s[1]
     return {k: v / cp for k, v in a.items()}
 
@@ -66,7 +66,7 @@ def stage_micro_batch_bytes(cm: CostModel, layout: Layout, groups: Counter, toke
     alone = keep_b + trans_b
     if last:
         extra = max(0.0, h["last_keep"] + h["logits_trans"] + h["ws"] - trans)
-        tied = cm._tied_bytes(layout)
+        tied = cm.tied_bytes(layout)
         alone = keep_b + max((trans + extra) * tokens, trans_b + tied)
     return keep_b, trans_b, alone
 
@@ -101,7 +101,7 @@ def replica_peak_v2(cm: CostModel, layout: Layout, split, micro_batches: Sequenc
     keys: dict = {}
     for i, (_, R, strategies, _) in enumerate(micro_batches):
         keys.setdefault((R, tuple(strategies) if strategies else None), []).append(i)
-    tied = cm._tied_bytes(layout)
+    tied = cm.tied_bytes(layout)
     peak = 0.0
     for p, (first, end) in enumerate(stage_bounds(L, pp, split)):
         base = state + extra_param_bytes(cm, used, first, end)

@@ -103,7 +103,7 @@ class ReplicaType:
 
 
 # ---------------------------------------------------------------- process groups
-# The runtime creates every group its replica types use once, at start (dcp_ext.runtime.groups);
+# The runtime creates every group its replica types use once, at start (dcp_ext.runtime.stages.groups);
 # on NCCL each group of two or more ranks is a communicator with its own device buffers, which
 # the planner charges (CostModel.charge_communicators) and scripts/scale_check.py counts.
 def rank_sets(rep: ReplicaType) -> Iterator[tuple[int, ...]]:

@@ -209,7 +209,7 @@ class Profile:
             lay = Layout(f.tp, f.cp, f.pp)
             if not cm.layout_valid(lay):
                 continue
-            an = cm._analytic_coeffs(lay, cm.stage_recompute(lay, f.recompute_layers))
+            an = cm.analytic_coeffs(lay, cm.stage_recompute(lay, f.recompute_layers))
             a, b, c, c0 = f.coeffs_for(cm.model.num_layers)
             if an.a > 0 and a > 0:
                 ra.append(a / f.pp / an.a)
@@ -234,7 +234,7 @@ class Profile:
             same = [g for g in self.fits.values() if (g.tp, g.cp, g.pp) == tuple(layout)]
             if same:
                 g = min(same, key=lambda g: abs(g.recompute_layers - r))
-                base = cm._analytic_coeffs(layout, cm.stage_recompute(layout, g.recompute_layers))
+                base = cm.analytic_coeffs(layout, cm.stage_recompute(layout, g.recompute_layers))
                 a, b, c, c0 = g.coeffs_for(cm.model.num_layers)
                 k = lambda new, old: new / old if old > 0 else 1.0  # noqa: E731
                 a *= k(analytic.a, base.a)

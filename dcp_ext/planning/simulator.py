@@ -236,10 +236,9 @@ def layer_prices(cm: CostModel):
     """The cost model's LayerPrices (one per cost model, cleared when it recalibrates)."""
     from dcp_ext.planning.layer_cost import LayerPrices
 
-    lp = getattr(cm, "_layer_prices", None)
-    if lp is None:
-        lp = cm._layer_prices = LayerPrices(cm)
-    return lp
+    if cm.layer_price_cache is None:
+        cm.layer_price_cache = LayerPrices(cm)
+    return cm.layer_price_cache
 
 
 def v2_padded_lengths(cm: CostModel, rep: ReplicaPlan, lengths: Sequence[int], strategies=None) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from dcp_ext.data.thd import FIELDS, pack
-from dcp_ext.runtime.context_parallel import cp_token_indices
+from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 
 def document_lengths(tokens: torch.Tensor, eod: Optional[int]) -> list[int]:

@@ -368,7 +368,7 @@ def acquire(args) -> None:
     import torch.distributed as dist
 
     from megatron.training.initialize import print_rank_0
-    from megatron.training.preflight import _os_problem
+    from megatron.training.preflight import os_problem_line
 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -379,7 +379,7 @@ def acquire(args) -> None:
         except CheckpointLockError as e:
             problem = str(e)
         except OSError as e:
-            what, fix = _os_problem(e, "--save", "directory")
+            what, fix = os_problem_line(e, "--save", "directory")
             problem = f"--save {save}: {what} (cannot create its lock file {lock_path(save)}): {fix}"
         if problem is None and _held is not None:
             _release_on_sigterm(_held)

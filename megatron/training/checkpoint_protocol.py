@@ -259,7 +259,7 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
     dist.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
 
-def _common_args(args) -> argparse.Namespace:
+def common_args(args) -> argparse.Namespace:
     keep = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
     return argparse.Namespace(**keep)
 

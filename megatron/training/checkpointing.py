@@ -22,7 +22,7 @@ import torch
 
 from dcp_ext.compat import mcore_compat
 from megatron.training.checkpoint_inspector import check_saved_parts, load_common_or_explain, load_or_explain
-from megatron.training.checkpoint_protocol import (CHECKPOINT_VERSION, CheckpointError, _common_args,
+from megatron.training.checkpoint_protocol import (CHECKPOINT_VERSION, CheckpointError, common_args,
                                                    resolve_load_dir, save_sharded_atomic)
 from megatron.training.initialize import print_rank_0
 from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
@@ -112,7 +112,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
 
     refuse_nonfinite(unwrap(model).parameters(), iteration, args.save)
     model_sd = unwrap(model).sharded_state_dict()
-    saved_args = _common_args(args)
+    saved_args = common_args(args)
     saved_args.consumed_train_samples = consumed_samples  # where upstream's loader reads it
     saved_args.iteration = iteration
     state = {

@@ -75,7 +75,7 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
                 state[_key(kind, t.name)] = _sharded(_key(kind, t.name), value.cpu(), replica_id=0)
     del avg, avg_sq, shards
     state.update({
-        "args": ckpt._common_args(args),
+        "args": ckpt.common_args(args),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "format": FORMAT,
         "iteration": iteration,

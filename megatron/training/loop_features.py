@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from dcp_ext.runtime.timing import PHASES
+from dcp_ext.runtime.schedule.timing import PHASES
 from megatron.training.initialize import print_rank_0, print_rank_last
 
 

@@ -1,6 +1,6 @@
 """`--dcp-recalibration on`: the step's timings reduced over ranks and queued for the planner.
 
-Glue only. The runtime times each micro-batch and replica (dcp_ext.runtime.timing); one
+Glue only. The runtime times each micro-batch and replica (dcp_ext.runtime.schedule.timing); one
 MAX all-reduce makes the numbers the same on every rank; dcp_ext.planning.calibration
 turns them into an observation the planner's cost model refits from. The refit happens
 in `between_plans`, which the loop calls only while the background planner is idle, so
@@ -9,7 +9,7 @@ every rank plans each iteration from the same prices.
 from __future__ import annotations
 
 from dcp_ext.planning.calibration import Calibration, observe
-from dcp_ext.runtime.timing import reduce_step
+from dcp_ext.runtime.schedule.timing import reduce_step
 
 
 class OnlineCalibration:

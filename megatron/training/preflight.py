@@ -50,7 +50,7 @@ def paths_to_check(args, rank: int, world_size: int) -> list[tuple[str, str, str
     return out
 
 
-def _os_problem(e: OSError, flag: str, what: str) -> tuple[str, str]:
+def os_problem_line(e: OSError, flag: str, what: str) -> tuple[str, str]:
     """(problem, fix) for an OS error, said as the OS means it."""
     if e.errno in (errno.EACCES, errno.EPERM):
         return "permission denied", f"point {flag} to a {what} this user can write, or fix its permissions"
@@ -107,7 +107,7 @@ def check_dir(flag: str, path: str, cache: bool = False) -> str | None:
         return None
     if cache and base == full and os.listdir(full):
         return None  # may be a prebuilt cache that the run only reads
-    problem, fix = _os_problem(err, flag, "directory")
+    problem, fix = os_problem_line(err, flag, "directory")
     where = f"cannot create files in {base}" if base == full else f"cannot create {full} in {base}"
     return f"{flag} {path}: {problem} ({where}): {fix}"
 
@@ -129,13 +129,13 @@ def check_file(flag: str, path: str) -> str | None:
         try:
             os.close(os.open(full, os.O_WRONLY | os.O_APPEND))
         except OSError as e:
-            problem, fix = _os_problem(e, flag, "file")
+            problem, fix = os_problem_line(e, flag, "file")
             return f"{flag} {path}: {problem} (cannot append to it): {fix}"
         return None
     err = _probe(folder)
     if err is None:
         return None
-    problem, fix = _os_problem(err, flag, "folder")
+    problem, fix = os_problem_line(err, flag, "folder")
     return f"{flag} {path}: {problem} (cannot create files in {folder}): {fix}"
 
 

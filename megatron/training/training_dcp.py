@@ -25,6 +25,7 @@ from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
 from megatron.training.loop_features import LoopFeatures
 from megatron.training.online_calibration import OnlineCalibration
+from megatron.training.run_config import AdaptiveRunConfig
 from dcp_ext.planning.planners.common import describe as describe_mix
 
 
@@ -208,19 +209,8 @@ def static_layout_line(args, planner) -> str:
             f"sequence ({planner.describe()})")
 
 
-def optimizer_options_for(args):
-    """Every optimizer flag for the fixed sharding's optimizer (--decoupled-lr/--decoupled-min-lr
-    read by getattr: older parsers do not have them)."""
-    from dcp_ext.runtime.sharded_optimizer import OptimizerOptions
-
-    return OptimizerOptions(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
-                            decoupled_lr=getattr(args, "decoupled_lr", None),
-                            decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
-
-
-def build_planner(args, train_ds, cluster=None):
+def build_planner(args, train_ds, cluster=None, model=None):
+    """model: the run configuration's ModelSpec (from the flags when None)."""
     from dcp_ext.planning.planner import make_planner
     from dcp_ext.planning.planners.common import PlanningError
     from dcp_ext.planning.specs import ModelSpec
@@ -230,7 +220,7 @@ def build_planner(args, train_ds, cluster=None):
     try:
         planner = make_planner(
             args.dcp_planner,
-            ModelSpec.from_megatron_args(args),
+            model if model is not None else ModelSpec.from_megatron_args(args),
             cluster if cluster is not None else cluster_for(args.world_size, args),
             max_seq_len=args.dcp_max_seq_len,
             global_batch_tokens=args.dcp_global_batch_tokens,
@@ -282,26 +272,9 @@ def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
             f"{why}; first sample: {prefix} document {doc}")
 
 
-OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
-                      "transfer threads share the cores with the compute, so overlapping made the exposed "
-                      "communication worse here (benchmarks/bench_overlap.py); they take effect on GPUs")
-
-
-def overlap_for(args) -> bool:
-    """Whether the adaptive runtime overlaps its pull/push with compute: as the overlap flags
-    ask, except on CPU ranks, where it costs more than it hides (said in one line).
-    DCP_OVERLAP_ON_CPU=1 keeps it on there (benchmarks/bench_overlap.py measures both)."""
-    from dcp_ext.runtime.engine import default_device
-
-    asked = bool(args.overlap_param_gather or args.overlap_grad_reduce)
-    if asked and default_device().type == "cpu" and os.environ.get("DCP_OVERLAP_ON_CPU") != "1":
-        print_rank_0(OVERLAP_OFF_ON_CPU)
-        return False
-    return asked
-
-
 def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
     from dcp_ext.runtime.engine import AdaptiveEngine
+    from dcp_ext.runtime.options import default_device
 
     set_random_seed_without_parallel_state(args.seed)
     cluster = cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data is read
@@ -310,7 +283,10 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
     from megatron.training.global_vars import get_tokenizer
 
     args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
-    planner = build_planner(args, train_ds, cluster)
+    run_config = AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
+    if run_config.overlap_note:
+        print_rank_0(run_config.overlap_note)
+    planner = build_planner(args, train_ds, cluster, run_config.model)
     types = planner.replica_types()
     from megatron.training.memory_report import report_memory, start_memory_report
     peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
@@ -319,13 +295,7 @@ def train_adaptive(args, document_datasets_provider, model_provider, make_config
         lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                            pipeline_model_parallel_size=pp, sequence_parallel=sp),
         lambda config, pre, post, pg: model_provider(config, pre_process=pre, post_process=post, pg_collection=pg),
-        sequence_parallel=args.sequence_parallel,
-        lr=args.lr, weight_decay=args.weight_decay, optimizer_options=optimizer_options_for(args),
-        init_seed=args.seed, init_std=args.init_method_std,
-        exchange=args.dcp_exchange, overlap=overlap_for(args),
-        grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False) and args.bf16),
-        bucket_numel=getattr(args, "ddp_bucket_size", None), grad_scaler=grad_scaler_for(args),
-        layer_strategies=args.dcp_layer_strategies == "on",
+        run_config.engine, grad_scaler=grad_scaler_for(args),
     )
     held = engine.persistent_bytes()
     print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
@@ -398,7 +368,7 @@ class AdaptiveSteps:
         return it, time.perf_counter() - t0
 
     def run(self, iteration: int) -> Outcome:
-        from dcp_ext.runtime.engine import NoTrainableTokens
+        from dcp_ext.runtime.step_result import NoTrainableTokens
 
         args = self.args
         start = time.perf_counter()

@@ -48,7 +48,7 @@ from dcp_ext.planning.simulator import one_f_one_b_stages
 
 
 def _terms(cm: CostModel, s, pp: int) -> dict:
-    a = cm._act_terms(Layout(s[0], s[1], pp))
+    a = cm.act_terms(Layout(s[0], s[1], pp))
     return {k: v / s[1] for k, v in a.items()}
 
 
@@ -78,7 +78,7 @@ class ReplicaV2:
         self.sync = cm.sync_time(lay, num_replicas)
         self.free_base = cm.capacity_bytes - cm.state_bytes(lay, self.split)
         self.h = _terms(cm, self.home, self.pp)
-        self.tied = cm._tied_bytes(lay)
+        self.tied = cm.tied_bytes(lay)
         self.fh, self.bh = lp.layer_times(self.home, self.pp, self.s2, self.T, self.nd)
         self.fix = []
         for w in self.where:

@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dcp_ext.runtime.param_map import Runs
-from dcp_ext.runtime.sharding import FixedSharding
+from dcp_ext.runtime.params.param_map import Runs
+from dcp_ext.runtime.params.sharding import FixedSharding
 
 # One peer's stage as the exchange sees it: (runs in buffer coordinates, pushes_grad) per
 # local parameter, in parameter order.

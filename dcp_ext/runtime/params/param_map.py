@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+LAYER_PARAM = re.compile(r"^decoder\.layers\.(\d+)\.")
 TIED_OUTPUT = "output_layer.weight"
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -71,7 +71,7 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def canonical_name(local_name: str, model: torch.nn.Module, layer_numbers: dict[int, int]) -> str:
-    m = _LAYER.match(local_name)
+    m = LAYER_PARAM.match(local_name)
     if m:
         return f"decoder.layers.{layer_numbers[int(m.group(1))]}." + local_name[m.end() :]
     if local_name == TIED_OUTPUT and getattr(model, "share_embeddings_and_output_weights", False):

@@ -45,7 +45,7 @@ class ShardedOptimizer:
     `runs`: (shard_start, shard_end, no_weight_decay[, decoupled_lr]) covering the shard."""
 
     def __init__(self, initial_shard: torch.Tensor, runs: list[tuple], options: OptimizerOptions | None = None,
-                 **flags):
+                 grad_scaler=None, **flags):
         o = options or OptimizerOptions()
         if flags:  # the old keyword form (lr=, weight_decay=, betas=, eps=, clip_grad=)
             o = OptimizerOptions(**{**o.__dict__, **flags})
@@ -88,8 +88,7 @@ class ShardedOptimizer:
             self.inner = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, foreach=self.flat.is_cuda)
         self._sgd_steps = 0
-
-    grad_scaler = None  # megatron-core's loss scaler under --fp16 (the engine sets it)
+        self.grad_scaler = grad_scaler  # megatron-core's loss scaler under --fp16
 
     def get_loss_scale(self) -> torch.Tensor:
         """What Megatron's log line reports (1 without a loss scaler)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from dcp_ext.runtime.exchange import ParamExchange
+from dcp_ext.runtime.params.exchange import ParamExchange
 
 
 class PullStream:

@@ -4,7 +4,7 @@ Each document (padded to a multiple of 2*cp) is cut into 2*cp equal chunks; CP r
 holds chunks r and 2*cp-1-r, so causal attention work is balanced. This matches what
 megatron-core's RoPE and transformer-engine's THD attention expect. The rule is written
 once, in `cp_chunk_positions`; the micro-batch split (`cp_token_indices`) and the CPU
-attention's reassembly of a document (`dcp_ext.runtime.attention`) both use it.
+attention's reassembly of a document (`dcp_ext.runtime.stages.attention`) both use it.
 """
 from __future__ import annotations
 

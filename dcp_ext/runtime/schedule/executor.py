@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcp_ext.runtime.context_parallel import cp_token_indices
+from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 
 @dataclass
@@ -84,7 +84,9 @@ def recompute_during(config, layers_in_stage: int, layers: int):
 class StageRunner:
     """One rank's stage of one replica."""
 
-    def __init__(self, model, config, rep, rank: int, num_layers: int):
+    def __init__(self, model, config, rep, rank: int, num_layers: int, switching=None):
+        """switching: the stage's layer_switch.SwitchContext when its micro-batches may
+        switch layer strategies."""
         self.model = model
         self.config = config
         self.rep = rep
@@ -93,7 +95,7 @@ class StageRunner:
         self.last = self.pp_rank == rep.pp - 1
         first, end = rep.stage_range(self.pp_rank, num_layers)
         self.layers_in_stage = end - first
-        self.switching = None  # layer_switch.SwitchContext when the engine allows layer strategies
+        self.switching = switching
         self.prev = None if self.first else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank - 1)
         self.next = None if self.last else rep.rank_at(self.tp_rank, self.cp_rank, self.pp_rank + 1)
         self.dtype = config.pipeline_dtype or torch.float32

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dcp_ext.runtime.context_parallel import cp_token_indices
+from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 Strategy = tuple[int, int]  # (tp, cp)
 
@@ -182,13 +182,13 @@ class LayerSwitch:
     def installed(self, decoder):
         """The home block runs the switched layers for one forward (megatron-core's own
         recompute is off for it: the switched layers checkpoint themselves)."""
-        saved = decoder._modules["layers"]
-        decoder._modules["layers"] = torch.nn.ModuleList([_SwitchedLayer(self, k) for k in range(len(saved))])
+        saved = decoder.layers
+        decoder.layers = torch.nn.ModuleList([_SwitchedLayer(self, k) for k in range(len(saved))])
         self.current = self.home
         try:
             yield
         finally:
-            decoder._modules["layers"] = saved
+            decoder.layers = saved
 
 
 class SwitchContext:
@@ -201,14 +201,15 @@ class SwitchContext:
         self.group, self.me, self.order, self.n, self.sp = group, me, order, n, sequence_parallel
 
     @classmethod
-    def for_stage(cls, stage, alternatives: dict, registry, rank: int, sequence_parallel: bool) -> "SwitchContext":
-        rep = stage.rep
+    def for_stage(cls, rep, home_layers, alternatives: dict, registry, rank: int,
+                  sequence_parallel: bool) -> "SwitchContext":
+        """rep: the stage's replica type; home_layers: its decoder's layers; alternatives:
+        strategy -> that strategy's decoder-only stage (stages.alternatives.AltStage)."""
         p = rep.coords(rank)[2]
         ranks = rep.tp_cp_ranks(p)  # stage index order (tp fastest)
         group_ranks = sorted(ranks)
         order = [ranks.index(g) for g in group_ranks]
-        return cls((rep.tp, rep.cp), stage.runner.model.decoder.layers,
-                   {s: alt.model.decoder.layers for s, alt in alternatives.items()},
+        return cls((rep.tp, rep.cp), home_layers, {s: alt.model.decoder.layers for s, alt in alternatives.items()},
                    registry.group(ranks), ranks.index(rank), order, len(ranks), sequence_parallel)
 
     def for_micro_batch(self, mb, recompute: int) -> LayerSwitch:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 from dcp_ext.planning.layout import ReplicaType
-from dcp_ext.runtime.layer_switch import Strategy, factorizations
-from dcp_ext.runtime.param_map import _LAYER, LocalParam, map_stage
+from dcp_ext.runtime.schedule.layer_switch import Strategy, factorizations
+from dcp_ext.runtime.params.param_map import LAYER_PARAM, LocalParam
 
 
 def apply_stage_layers(config, stage_layers) -> None:
@@ -86,7 +84,7 @@ def split_by_layer(local: list[LocalParam], num_stage_layers: int) -> list[list[
     the layer's first parameter."""
     out: list[list[LocalParam]] = [[] for _ in range(num_stage_layers)]
     for lp in local:
-        m = _LAYER.match(lp.name)
+        m = LAYER_PARAM.match(lp.name)
         if m is None:
             raise ValueError(f"alternative-strategy stage has a non-layer parameter {lp.name}")
         out[int(m.group(1))].append(lp)
@@ -123,32 +121,7 @@ def stage_strategies(mb, replica, pp_rank: int, num_layers: int) -> tuple[Strate
     return None if all(s == home for s in out) else out
 
 
-# ---------------------------------------------------------------- the engine's side
-def build_alternative(engine, rep: ReplicaType, build_model) -> AltStage:
-    """The engine rank's decoder-only stage of `rep` (a home stage's ranks re-factored),
-    with the engine's gradient and pull hooks, holding no memory until bound."""
-    config = engine._config(rep, engine.sequence_parallel and rep.tp > 1)
-    tp_rank, _, pp_rank = rep.coords(engine.rank)
-    where = torch.device("meta") if engine.device.type == "meta" else contextlib.nullcontext()
-    with where:
-        model = build_model(config, False, False, engine.registry.collection(rep))
-    first, end = rep.stage_range(pp_rank, engine.num_layers)
-    local = map_stage(model, engine.space, rep.tp, tp_rank, engine.gated)
-    alt = AltStage((rep.tp, rep.cp), rep, model, split_by_layer(local, end - first))
-    for per_layer in alt.layers:
-        alt.buckets.append([])
-        for lp in per_layer:
-            alt.shapes[id(lp.param)] = lp.param.shape
-            buckets = sorted({b for r in lp.runs for b in engine.sharding.buckets_of(r.canon, r.canon_end)}
-                             ) if lp.pushes_grad else []
-            alt.buckets[-1].append(buckets)
-            lp.param.register_post_accumulate_grad_hook(engine._grad_hook(lp, buckets))
-    for module, buckets in engine._module_buckets(model, local):
-        module.register_forward_pre_hook(engine._pull_hook(max(buckets)))
-    alt.unbind(engine.params, every=True)
-    return alt
-
-
+# ---------------------------------------------------------------- every rank's runs
 def gather_alternative_runs(alternatives: dict, world: int) -> dict:
     """Every rank's alternative layers (runs relative to the layer, numel), gathered once:
     {(home type, strategy, rank): [(per-parameter (runs, pushes_grad)), layer numel] per layer}."""
@@ -160,25 +133,9 @@ def gather_alternative_runs(alternatives: dict, world: int) -> dict:
     return {(home, s, r): layers for r, per_rank in enumerate(everyone) for (home, s), layers in per_rank.items()}
 
 
-def bind_alternatives(engine, stage, needs) -> tuple[int, list]:
-    """This iteration's alternative layers bound after the stage in the engine's shared
-    buffers: (elements in use, the extra parameters' push buckets)."""
-    alts = engine.alternatives.get(stage.rep, {})
-    for alt in alts.values():
-        alt.unbind(engine.params)
-    end = stage.numel + sum(alts[s].layer_numel(k) for s, k in needs)
-    if end > engine.params.numel():
-        engine._grow_buffers(end)
-    offset, buckets = stage.numel, []
-    for s, k in needs:
-        offset = alts[s].bind(k, engine.params, engine.main_grads, offset)
-        buckets += alts[s].buckets[k]
-    return end, buckets
-
-
 def switched_layout(it, needs, all_runs: dict, alt_runs: dict, world: int) -> list:
     """Every rank's runs in buffer coordinates: its home stage, then (when the iteration
-    switches layers, `needs`) the alternative layers it uses, in `bind_alternatives`' order."""
+    switches layers, `needs`) the alternative layers it uses, in the order `StageBank.bind_for` binds them."""
     layout = []
     for q in range(world):
         i, r = next((i, r) for i, r in enumerate(it.replicas) if q in r.ranks)

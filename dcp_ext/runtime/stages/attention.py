@@ -8,7 +8,7 @@ Layouts handled (the same ones TE's attention takes from megatron-core):
 - `sbhd`: query [s, b, heads, dim]; each batch row is one document.
 - `thd` : query [t, heads, dim] with `PackedSeqParams` (cu_seqlens, padded or not).
 With context parallelism each rank holds, for every document, the load-balanced chunks
-of its padded length (`dcp_ext.runtime.context_parallel`), as megatron-core's CP RoPE assumes. Keys and values
+of its padded length (`dcp_ext.runtime.schedule.context_parallel`), as megatron-core's CP RoPE assumes. Keys and values
 are all-gathered over the CP group (gradients summed back), then attention runs per
 document against the full key/value sequence with a global-position causal mask.
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from dcp_ext.runtime.context_parallel import cp_chunk_positions
+from dcp_ext.runtime.schedule.context_parallel import cp_chunk_positions
 
 KERNELS = ("math", "flash")
 

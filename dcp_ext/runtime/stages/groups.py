@@ -39,11 +39,23 @@ class GroupRegistry:
             self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=False)
         return self._groups[ranks]
 
+    def rank_sets(self) -> list[tuple[int, ...]]:
+        """Every rank set a group was created for, in creation order."""
+        return list(self._groups)
+
     def group(self, ranks: Sequence[int]):
         key = tuple(sorted(ranks))
         if key not in self._groups:
             raise KeyError(f"no process group for ranks {key}: not part of any registered replica")
         return self._groups[key]
+
+    def single_rank_collection(self):
+        """Groups of size one: for building the full model (canonical space, references)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        me = self._group((self.rank,))
+        return ProcessGroupCollection(tp=me, cp=me, pp=me, tp_cp=me, mp=me, embd=me, pos_embd=me, dp=me,
+                                      dp_cp=me, intra_dp_cp=me, tp_dp_cp=me)
 
     def collection(self, rep: ReplicaType):
         """megatron-core ProcessGroupCollection for this rank's position in `rep`."""

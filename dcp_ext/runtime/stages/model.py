@@ -96,7 +96,7 @@ def layer_spec(config, use_te: Optional[bool] = None, cpu_attention: str = "math
         use_te = transformer_engine_usable()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
-    from dcp_ext.runtime.attention import DocumentCausalAttention
+    from dcp_ext.runtime.stages.attention import DocumentCausalAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization=config.normalization,

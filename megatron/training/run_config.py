@@ -1,0 +1,64 @@
+"""The `--dcp` run's configuration, derived once from the validated flags.
+
+Why it exists: the planner's cost model and the engine must agree on what the engine will
+do (whether pull/push overlap compute, how large an exchange bucket is, which optimizer
+runs), or the planner prices memory and time the run does not have. Each of those rules
+is derived here, once, into frozen records: `EngineOptions` for the engine, a `ModelSpec`
+for the planner and the cost model with the same exchange slots and bucket size. Nothing
+writes the flags after this point.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dcp_ext.planning.layout import bucket_numel_for
+from dcp_ext.planning.specs import ModelSpec
+from dcp_ext.runtime.options import EngineOptions
+from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
+
+OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
+                      "transfer threads share the cores with the compute, so overlapping made the exposed "
+                      "communication worse here (benchmarks/bench_overlap.py); they take effect on GPUs")
+
+
+def overlap_for(args, on_cpu: bool) -> tuple[bool, str | None]:
+    """Whether the adaptive runtime overlaps its pull/push with compute, and the note to say:
+    as the overlap flags ask, except on CPU ranks, where it costs more than it hides.
+    DCP_OVERLAP_ON_CPU=1 keeps it on there (benchmarks/bench_overlap.py measures both)."""
+    asked = bool(args.overlap_param_gather or args.overlap_grad_reduce)
+    if asked and on_cpu and os.environ.get("DCP_OVERLAP_ON_CPU") != "1":
+        return False, OVERLAP_OFF_ON_CPU
+    return asked, None
+
+
+def optimizer_options_for(args) -> OptimizerOptions:
+    """Every optimizer flag, as the fixed sharding's optimizer takes them."""
+    return OptimizerOptions(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+                            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
+
+
+@dataclass(frozen=True)
+class AdaptiveRunConfig:
+    engine: EngineOptions
+    model: ModelSpec  # the planner's and the cost model's view of the model the engine builds
+    overlap_note: str | None = None  # said once at start when the overlap flags are set aside
+
+    @classmethod
+    def from_args(cls, args, on_cpu: bool, vocab_size: int | None = None, device: str | None = None):
+        """vocab_size: the padded vocabulary (`args.padded_vocab_size` when None)."""
+        overlap, note = overlap_for(args, on_cpu)
+        spec = ModelSpec.from_megatron_args(args)
+        if vocab_size is not None:
+            spec = spec.with_(vocab_size=vocab_size)
+        # one bucket size for both: the flag's, else the sharding's rule on the model's size
+        bucket = bucket_numel_for(spec.num_params, args.ddp_bucket_size or 0)
+        spec = spec.with_(bucket_numel=bucket, exchange_slots=2 if overlap else 1)
+        engine = EngineOptions(
+            optimizer=optimizer_options_for(args), sequence_parallel=args.sequence_parallel,
+            exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,
+            grad_reduce_in_bf16=bool(args.grad_reduce_in_bf16 and args.bf16), init_seed=args.seed,
+            init_std=args.init_method_std, layer_strategies=args.dcp_layer_strategies == "on", device=device)
+        return cls(engine, spec, note)
