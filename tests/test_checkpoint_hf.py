@@ -15,7 +15,7 @@ A tiny random Llama (2 layers, hidden 64, 4 heads in 2 query groups, untied, RoP
   computes, since the other path's logits are the Hugging Face ones;
 - exported without training, the safetensors equal the original bit for bit and
   `transformers` loads them with the same logits; a Qwen2-style (QKV bias) and a tied
-  model round-trip too;
+  model round-trip too, and the Qwen2 one trains on both paths with HF's logits;
 - what the GPT model cannot express is one `error:` line (the table at the end).
 """
 import json
@@ -300,6 +300,21 @@ def test_variants_round_trip(kind, overrides, tmp_path):
     assert_same_tensors(tensors_of(hf_dir), tensors_of(out))
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == kind
     hf_model(out)  # transformers loads it
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("path", ["static", "dcp"])
+def test_qwen2_qkv_bias_trains_with_hugging_faces_logits(path, tmp_path, text_corpus):
+    hf_dir = save_tiny(str(tmp_path / "qwen2"), "qwen2", seed=5)
+    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt")] + (["--dcp"] if path == "dcp" else []))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = types.SimpleNamespace(root=tmp_path, flags=open(tmp_path / "ckpt" / "hf_model_args.txt").read().split())
+    assert "--add-qkv-bias" in run.flags and ("--dcp" in run.flags) == (path == "dcp")
+    extra = ["--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off"] if path == "dcp" else []
+    dump = run_dumped(run, 1, run_flags(run, text_corpus, path, *extra), path)
+    hf = hf_model(hf_dir)
+    assert max_logit_difference(dump, hf) < TOL
+    assert first_loss(run, path) == pytest.approx(hf_loss(dump, hf), abs=TOL)
 
 
 # ------------------------------------------------------------------ refusals

@@ -383,9 +383,7 @@ def build_args(flags: list[str], shape: Shape, rows: int) -> argparse.Namespace:
 
     extra = ["--seq-length", str(min(shape.max_positions, 4096)), "--micro-batch-size", "1",
              "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
-    # --add-qkv-bias is not (yet) a flag of this fork's parser: the model is built with it all the same
-    args = parse_args([f for f in flags if f != "--add-qkv-bias"] + extra, world_size=1)
-    args.add_qkv_bias = shape.qkv_bias
+    args = parse_args(flags + extra, world_size=1)
     args.padded_vocab_size = rows
     args.no_save_optim = args.no_save_rng = True  # what a load without --finetune is told to skip
     return args
@@ -405,8 +403,7 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     global_vars.set_args(args)
-    config = transformer_config_from_args(args, use_cpu_initialization=True, perform_initialization=False,
-                                          add_qkv_bias=bool(args.add_qkv_bias))
+    config = transformer_config_from_args(args, use_cpu_initialization=True, perform_initialization=False)
     model = model_provider(config, pre_process=True, post_process=True)
     names = {n for n, _ in model.named_parameters()}
     if names != set(tensors):

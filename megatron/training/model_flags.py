@@ -35,6 +35,8 @@ def add_model_flags(parser) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true", help="zero-centred norm weights (1 + gamma)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims rotated by RoPE")
     g.add_argument("--qk-layernorm", action="store_true", help="normalise queries and keys per head")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the query/key/value projection only (Qwen2), with --disable-bias-linear")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
@@ -173,6 +175,7 @@ def config_fields(args, machine: Optional[Machine] = None) -> dict:
     fields = dict(
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
+        add_qkv_bias=args.add_qkv_bias,
         attention_backend=AttnBackend[_requested_backend(args)] if te else AttnBackend.auto,
         # the unfused loss reads the global TP group, which --dcp never sets: its replicas use the fused one
         cross_entropy_loss_fusion=bool(args.cross_entropy_loss_fusion or args.dcp),

@@ -56,7 +56,6 @@ MODEL_ROWS = [
     ('--softmax-type', 'value', 'str', '', 'vanilla', ('vanilla', 'off-by-one', 'learnable'), 'model'),
     ('--fp32-residual-connection', 'store_true', '', '', False, (), 'model'),
     ('--apply-residual-connection-post-layernorm', 'store_true', '', '', False, (), 'model'),
-    ('--add-qkv-bias', 'store_true', '', '', False, (), 'model'),
     ('--glu-linear-offset', 'value', 'float', '', 0.0, (), 'model'),
     ('--activation-func-clamp-value', 'value', 'float', '', None, (), 'model'),
     ('--rotary-interleaved', 'store_true', '', '', False, (), 'model'),
