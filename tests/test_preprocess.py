@@ -133,3 +133,76 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if "warn" not in ln.lower()]
         assert r.returncode == 1, r.stderr
         assert lines == [f"preprocess_data.py: error: {lines[0].split('error: ', 1)[1]}"] and msg in lines[0]
+
+
+# ---- upstream's empty documents, list-valued fields and --partitions --------------------------
+
+def _index(prefix):
+    from dcp_ext.data.indexed import megatron_indexed
+
+    ds = megatron_indexed().IndexedDataset(prefix, multimodal=False, mmap=True)
+    return ds.document_indices.tolist(), ds.sequence_lengths.tolist()
+
+
+def test_empty_documents_are_kept_as_upstream_keeps_them(tmp_path):
+    """Upstream's add_document(ids, []) for an empty field: a document with no sequence, so
+    the datasets of several keys line up document for document (row i = line i)."""
+    objs = [{"text": "1 2", "title": ""}, {"text": "", "title": "3"}, {"text": "4", "title": "5 6"}]
+    out = preprocess(tmp_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod",
+                     "--json-keys", "text", "title", objs=objs)
+    assert _index(out["text"]) == ([0, 1, 1, 2], [3, 2])  # 3 documents; the empty one has no sequence
+    assert _index(out["title"]) == ([0, 0, 1, 2], [2, 3])
+    assert IndexedDocuments(out["text"]).meta["num_documents"] == 3
+
+
+def test_list_valued_field_is_one_document_of_several_sequences(tmp_path):
+    objs = [{"text": ["1 2", "", "3"]}, {"text": "4"}]
+    out = preprocess(tmp_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod", objs=objs)
+    assert _index(out["text"]) == ([0, 2, 3], [2, 2, 2])  # the EOD (10) ends the document's last sequence
+    docs = IndexedDocuments(out["text"])
+    assert [docs.tokens(i).tolist() for i in range(3)] == [[1, 2], [3, 10], [4, 10]]
+    with pytest.raises(DataError, match="key 'text' is not a string or a list of strings"):
+        preprocess(tmp_path, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", objs=[{"text": ["1", 2]}],
+                   name="bad")
+
+
+def test_zero_length_sequences_never_reach_a_dcp_batch(tmp_path):
+    """A dataset another tool wrote with 0-token sequences: the --dcp stream skips them (the
+    static path's GPTDataset handles them itself)."""
+    from dcp_ext.data.indexed import megatron_indexed
+
+    mi = megatron_indexed()
+    prefix = str(tmp_path / "z_text_document")
+    builder = mi.IndexedDatasetBuilder(prefix + ".bin", dtype=mi.DType.optimal_dtype(256))
+    for doc in ([1, 2, 255], [], [3, 255], [], [4, 5, 6, 255]):
+        builder.add_document(np.asarray(doc, dtype=np.int64), [len(doc)])
+    builder.finalize(prefix + ".idx")
+    train, _, _ = build_document_datasets([prefix], "1", seed=0, max_seq_len=64)
+    assert len(train) == 3 and sorted(train.sample_lengths(0, 3).tolist()) == [2, 3, 4]
+
+
+@pytest.mark.dist
+def test_partitions_give_the_same_bytes(tmp_path):
+    objs = [{"text": t, "title": t[::-1]} for t in TEXTS * 3] + [{"text": ["ab", "", "cd"], "title": ""}]
+    flags = ["--tokenizer-type", "ByteLevelTokenizer", "--append-eod", "--json-keys", "text", "title"]
+    one = preprocess(tmp_path, *flags, objs=objs, name="one")
+    src = str(tmp_path / "one.jsonl")
+    many = run(build_parser().parse_args(["--input", src, "--output-prefix", str(tmp_path / "many"), "--no-progress",
+                                          "--partitions", "4", "--workers", "4", *flags]))
+    for key in ("text", "title"):
+        for ext in (".bin", ".idx", ".meta.json"):
+            assert open(one[key] + ext, "rb").read() == open(many[key] + ext, "rb").read(), (key, ext)
+    assert not [n for n in os.listdir(tmp_path) if "partitions.tmp" in n]
+    with pytest.raises(DataError, match="line 2 of .*: no key 'text'"):  # the whole file's line number
+        src = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"body": "b"}, {"text": "c"}, {"text": "d"}])
+        run(build_parser().parse_args(["--input", src, "--output-prefix", str(tmp_path / "bad"), "--no-progress",
+                                       "--partitions", "2", "--tokenizer-type", "ByteLevelTokenizer"]))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("bad_")]
+
+
+def test_partitions_below_one_is_one_line(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    rc = main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer",
+               "--partitions", "0", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["preprocess_data.py: error: --partitions 0 must be >= 1"]

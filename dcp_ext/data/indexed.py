@@ -304,18 +304,36 @@ class DocumentWriter:
         self.num_tokens = 0
         self.max_token_id = -1
 
-    def add(self, tokens, loss_mask=None) -> None:
-        arr = np.asarray(tokens)
-        if arr.size == 0:
-            return
-        self._builder.add_document(arr, [arr.size])
+    def add(self, tokens, loss_mask=None, lengths=None) -> None:
+        """One document. `lengths`: the token counts of its sequences (upstream's sentence
+        lengths: a list-valued JSON field is one sequence per item); one sequence by default.
+        An empty document is recorded as upstream's preprocess_data.py records it: a document
+        with no sequence, so datasets of several --json-keys line up document for document,
+        and the readers, which index sequences (as megatron-core's GPTDataset), never see it."""
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if lengths is None:
+            lengths = [int(arr.size)] if arr.size else []
+        lengths = [int(n) for n in lengths]
+        assert sum(lengths) == arr.size and all(n > 0 for n in lengths), "sequence lengths must cover the tokens"
+        self._builder.add_document(arr, lengths)
         if self._mask_builder is not None:
-            mask = np.asarray(loss_mask, dtype=np.uint8)
+            mask = np.asarray(loss_mask if arr.size else [], dtype=np.uint8)
             assert mask.shape == arr.shape, "loss mask and tokens differ in length"
-            self._mask_builder.add_document(mask, [mask.size])
+            self._mask_builder.add_document(mask, lengths)
         self.num_documents += 1
-        self.num_tokens += int(arr.size)
-        self.max_token_id = max(self.max_token_id, int(arr.max()))
+        if arr.size:
+            self.num_tokens += int(arr.size)
+            self.max_token_id = max(self.max_token_id, int(arr.max()))
+
+    def add_dataset(self, prefix: str, meta: dict) -> None:
+        """Append a whole dataset this writer's way wrote (`meta`: its .meta.json), as
+        megatron-core's builder merges partitions (`add_index`)."""
+        self._builder.add_index(prefix)
+        if self._mask_builder is not None:
+            self._mask_builder.add_index(prefix + LOSS_MASK_SUFFIX)
+        self.num_documents += int(meta["num_documents"])
+        self.num_tokens += int(meta["num_tokens"])
+        self.max_token_id = max(self.max_token_id, int(meta["max_token_id"]))
 
     def finalize(self, meta: dict | None = None) -> None:
         pairs = [(self._builder, self._tmp, self.prefix)]

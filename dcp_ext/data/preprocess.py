@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True)
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1)
-    g.add_argument("--partitions", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="split the input into N parts by lines, preprocess them in parallel (--workers shared "
+                        "among them) and merge: the output is the same as one part's, byte for byte")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted: the parts of --partitions are always consecutive lines, merged in order")
     g.add_argument("--log-interval", type=int, default=1000, help="accepted; progress is time-based")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -111,21 +115,41 @@ def _encode(item: tuple[int, bytes]):
             for key in o["json_keys"]:
                 if key not in obj:
                     return lineno, f"no key {key!r}"
-                if not isinstance(obj[key], str):
-                    return lineno, f"key {key!r} is not a string"
-                ids = tok.tokenize(obj[key])
-                if ids and o["append_eod"]:
-                    ids.append(tok.eod)
-                out[key] = (ids, None)
+                encoded = _encode_field(obj[key], key, tok, o["append_eod"])
+                if isinstance(encoded, str):
+                    return lineno, encoded
+                out[key] = encoded
     except (ValueError, KeyError) as e:
         return lineno, f"cannot tokenize: {e}"
     result = {}
-    for key, (ids, mask) in out.items():
+    for key, (ids, mask, *lengths) in out.items():
         arr = np.asarray(ids, dtype=np.int64)
         if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
             return lineno, f"token id {int(arr.max())} outside the vocabulary of {tok.vocab_size}"
-        result[key] = (arr, None if mask is None else np.asarray(mask, dtype=np.uint8))
+        result[key] = (arr, None if mask is None else np.asarray(mask, dtype=np.uint8), *lengths)
     return lineno, result
+
+
+def _encode_field(value, key: str, tok, append_eod: bool):
+    """One --json-keys field as upstream encodes it: a string is one sequence, a list of
+    strings one sequence per non-empty item (the EOD after the last); an empty document stays,
+    with no sequence. -> (ids, None, sequence lengths), or the error text."""
+    if isinstance(value, str):
+        parts = [value]
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        parts = value
+    else:
+        return f"key {key!r} is not a string or a list of strings"
+    ids, lengths = [], []
+    for part in parts:
+        part_ids = tok.tokenize(part)
+        if part_ids:
+            ids.extend(part_ids)
+            lengths.append(len(part_ids))
+    if ids and append_eod:
+        ids.append(tok.eod)
+        lengths[-1] += 1
+    return ids, None, lengths
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -145,27 +169,35 @@ def _wind_down(pool, results, stop: list) -> None:
     finally:
         pool.join()
 
-def _lines(path: str, counter: list, stop: list):
-    """(line number, raw line) of the non-blank lines; ends early once `stop` is non-empty."""
+def _lines(path: str, counter: list, stop: list, first: int = 1, end: int | None = None):
+    """(line number, raw line) of the non-blank lines numbered first..end-1 (all by default);
+    ends early once `stop` is non-empty."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            if stop:
+            if stop or (end is not None and lineno >= end):
                 return
+            if lineno < first:
+                continue
             counter[0] += len(raw)
             if raw.strip():
                 yield lineno, raw
 
 
-def run(args) -> dict[str, str]:
-    """Preprocess; return {key: output prefix}. Raises DataError."""
+def run(args, part: tuple[int, int] | None = None) -> dict[str, str]:
+    """Preprocess; return {key: output prefix}. Raises DataError. `part`: only the input's
+    lines first..end-1, into `args.output_prefix` (one of --partitions; may be empty)."""
     if not os.path.isfile(args.input):
         raise DataError(f"--input not found: {args.input}")
     if args.split_sentences:
         raise CLIError("--split-sentences is not supported (GPT data needs whole documents)")
-    if args.partitions != 1:
-        raise CLIError("--partitions other than 1 is not supported")
+    if args.partitions < 1:
+        raise CLIError(f"--partitions {args.partitions} must be >= 1")
     if args.workers < 1:
         raise CLIError(f"--workers {args.workers} must be >= 1")
+    if args.partitions > 1 and part is None:
+        from dcp_ext.data.preprocess_partitions import run_partitions
+
+        return run_partitions(args, run)
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       vocab_size=args.vocab_size)
@@ -189,24 +221,23 @@ def run(args) -> dict[str, str]:
                 writers[k] = DocumentWriter(prefixes[k], tokenizer.vocab_size, loss_mask=args.sft)
         if args.workers > 1:
             pool = _start_pool(args.workers, tok_kwargs, opts)
-            results = pool.imap(_encode, _lines(args.input, counter, stop), chunksize=32)
+            results = pool.imap(_encode, _lines(args.input, counter, stop, *(part or ())), chunksize=32)
         else:
             _init_worker(tok_kwargs, opts)
-            results = map(_encode, _lines(args.input, counter, stop))
+            results = map(_encode, _lines(args.input, counter, stop, *(part or ())))
         with Progress(f"tokenizing {os.path.basename(args.input)}", total=total, unit="B",
-                      enabled=not args.no_progress) as bar:
+                      enabled=not (args.no_progress or part)) as bar:
             for lineno, res in results:
                 if isinstance(res, str):
                     raise DataError(f"line {lineno} of {args.input}: {res}")
                 with writing(*out):  # a disk that fills: the flag and the prefix, not a traceback
-                    for k, (ids, mask) in res.items():
-                        writers[k].add(ids, mask)
+                    for k, (ids, mask, *lengths) in res.items():
+                        writers[k].add(ids, mask, *lengths)
                 bar.n = counter[0]
                 bar.update(0, extra=f"{writers[keys[0]].num_documents} docs")
-        if all(w.num_documents == 0 for w in writers.values()):
+        if all(w.num_tokens == 0 for w in writers.values()) and not part:
             raise DataError(f"{args.input} has no non-empty documents")
-        meta = {"tokenizer": dict(tokenizer.unique_identifiers), "eod": tokenizer.eod,
-                "source": os.path.abspath(args.input), "append_eod": bool(args.append_eod or args.sft)}
+        meta = output_meta(args, tokenizer)
         with writing(*out):
             for k, w in writers.items():
                 w.finalize(dict(meta, json_key=k))
@@ -217,10 +248,21 @@ def run(args) -> dict[str, str]:
     finally:
         if pool is not None:
             _wind_down(pool, results, stop)
+    if part is None:
+        report(writers, prefixes)
+    return prefixes
+
+
+def report(writers: dict, prefixes: dict) -> None:
     for k, w in writers.items():
         print(f"{PROG}: wrote {w.num_documents} documents, {w.num_tokens} tokens to {prefixes[k]}.bin/.idx",
               file=sys.stderr)
-    return prefixes
+
+
+def output_meta(args, tokenizer) -> dict:
+    """What every output's .meta.json records besides the counts."""
+    return {"tokenizer": dict(tokenizer.unique_identifiers), "eod": tokenizer.eod,
+            "source": os.path.abspath(args.input), "append_eod": bool(args.append_eod or args.sft)}
 
 
 def main(argv: list[str] | None = None) -> int:
