@@ -343,6 +343,11 @@ CASES += [
          "--data-path weights must be finite numbers > 0: 0 1", code=2, base="dcp"),
     Case("split-four-parts", ["--split", "1,2,3,4"], "bad --split '1,2,3,4'", code=2),
     # upstream's other data flags (dcp_ext/data/data_paths.py)
+    Case("tokenizer-files-without-type", ["--drop", "--tokenizer-type", "--drop", "--vocab-size", "--vocab-file",
+                                          "{tmp}/gpt2-vocab.json", "--merge-file", "{tmp}/gpt2-merges.txt"],
+         "no --tokenizer-type: add --tokenizer-type GPT2BPETokenizer", code=1),
+    Case("tokenizer-none-given", ["--drop", "--tokenizer-type", "--drop", "--vocab-size"],
+         "no tokenizer: give --tokenizer-type", code=1, base="dcp"),
     Case("data-path-and-train-data-path", ["--train-data-path", "{corpus}"],
          "--data-path and --train-data-path exclude each other", code=2),
     Case("valid-data-path-without-train", ["--drop", "--data-path", "--valid-data-path", "{corpus}"],

@@ -25,7 +25,7 @@ def build_tokenizer(args):
     if tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         from megatron.training.argument_errors import ArgumentError
 
-        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
+        raise ArgumentError(missing_tokenizer_line(args))
     _TOKENIZER = build(tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
     args.padded_vocab_size = padded_vocab_size(
@@ -33,6 +33,21 @@ def build_tokenizer(args):
     )
     args.eod_token = _TOKENIZER.eod
     return _TOKENIZER
+
+
+def missing_tokenizer_line(args) -> str:
+    """No tokenizer to build: name the --tokenizer-type the other tokenizer flags call for
+    (upstream's GPT-3 example gives --vocab-file/--merge-file alone)."""
+    if args.tokenizer_type is not None:
+        return "--tokenizer-type NullTokenizer needs --vocab-size"
+    if args.vocab_file or args.merge_file:
+        return ("--vocab-file/--merge-file are given but no --tokenizer-type: add --tokenizer-type GPT2BPETokenizer "
+                "(GPT-2 BPE vocabulary and merges)")
+    if args.tokenizer_model:
+        return ("--tokenizer-model is given but no --tokenizer-type: add --tokenizer-type HuggingFaceTokenizer (a "
+                "Hugging Face tokenizer folder or name) or SentencePieceTokenizer (a .model file)")
+    return ("no tokenizer: give --tokenizer-type (GPT2BPETokenizer with --vocab-file and --merge-file, "
+            "HuggingFaceTokenizer with --tokenizer-model, ...) or --tokenizer-type NullTokenizer --vocab-size N")
 
 
 def get_tokenizer():
