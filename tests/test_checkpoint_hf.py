@@ -6,7 +6,7 @@ A tiny random Llama (2 layers, hidden 64, 4 heads in 2 query groups, untied, RoP
 `transformers` and saved locally; nothing is downloaded. Then:
 - imported, the logits of every forward of a real one-iteration run (tests/hf_logits_entry.py
   writes them) equal the Hugging Face forward's on the same tokens within 1e-5 (fp32): the
-  static path at TP1 and TP2, and under --dcp (2 ranks, TP2 replicas; each packed document
+  static path at TP1 and TP2 (there through upstream's --pretrained-checkpoint), and under --dcp (2 ranks, TP2 replicas; each packed document
   against its own HF forward);
 - `--dcp --finetune --load` of the static path's checkpoint (trained one step from the
   import) and the static path's `--finetune --load` of the --dcp run's checkpoint: their
@@ -24,7 +24,7 @@ import types
 
 import pytest
 
-from tests.helpers import REPO, read_loss_log, run_ranks, run_tool
+from tests.helpers import REPO, drop_flags, read_loss_log, run_ranks, run_tool
 from tests.test_bad_input import assert_one_line_error
 
 TOOL = "tools/checkpoint_hf.py"
@@ -236,9 +236,14 @@ def test_static_tp1_logits_equal_hugging_face(imported, static_tp1):
 
 @pytest.mark.dist
 def test_static_tp2_logits_equal_hugging_face(imported, text_corpus):
-    dump = run_dumped(imported, 2, run_flags(imported, text_corpus, "static_tp2", "--tensor-model-parallel-size", "2"),
+    # upstream's way: --pretrained-checkpoint while --load (also --save) holds no checkpoint yet
+    own = str(imported.root / "tp2_own")
+    flags = drop_flags(run_flags(imported, text_corpus, "static_tp2", "--tensor-model-parallel-size", "2"),
+                       "--load", "--finetune")
+    dump = run_dumped(imported, 2, flags + ["--pretrained-checkpoint", imported.ckpt, "--load", own, "--save", own],
                       "static_tp2")
     assert max_logit_difference(dump, hf_model(imported.hf)) < TOL
+    assert open(os.path.join(own, "latest_checkpointed_iteration.txt")).read().strip() == "1"
 
 
 @pytest.mark.dist

@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="start from this checkpoint's weights while --load holds none (as --finetune)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
     g = p.add_argument_group("logging")
@@ -220,6 +222,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = world_size_from_env(os.environ)
     args.world_size = world_size
+    from megatron.training.checkpoint_protocol import use_pretrained_checkpoint
+
+    use_pretrained_checkpoint(args)  # --pretrained-checkpoint: --load DIR --finetune while --load holds none
     loop_flags.apply_checkpoint_args(args)  # --use-checkpoint-args: model flags from --load's checkpoint
     check_ranges(args)  # before the derived values are computed from them (int(nan) would raise)
     loop_flags.check_schedule_forms(args)  # --train-samples vs --train-iters forms

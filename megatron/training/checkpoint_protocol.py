@@ -349,3 +349,18 @@ def resolve_load_dir(args) -> tuple[str, int] | None:
     if path.endswith(ASIDE_SUFFIX):
         print_rank_0(f"  note: a re-save of iteration {iteration} was interrupted; loading its previous copy {path}")
     return path, iteration
+
+
+def use_pretrained_checkpoint(args) -> None:
+    """Upstream's `--pretrained-checkpoint DIR`: while `--load` holds no checkpoint (or is not
+    given) the run starts from DIR's weights, as `--load DIR --finetune` (iteration 0, no
+    optimizer or RNG state); once `--load` holds one, it resumes from that, as upstream."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not pretrained or (args.load and _tracker_text(args.load) is not None):
+        return
+    if _tracker_text(pretrained) is None:
+        from megatron.training.argument_errors import ArgumentError
+
+        raise ArgumentError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {TRACKER}); point it to "
+                            "the folder that holds the tracker file")
+    args.load, args.finetune = pretrained, True

@@ -25,7 +25,6 @@ RUN_ROWS = [
     ('--non-persistent-global-ckpt-dir', 'value', 'str', '', None, (), 'non_persistent'),
     ('--non-persistent-local-ckpt-dir', 'value', 'str', '', None, (), 'non_persistent'),
     ('--non-persistent-local-ckpt-algo', 'value', 'str', '', 'fully_parallel', ('fully_parallel', 'atomic'), 'non_persistent'),
-    ('--pretrained-checkpoint', 'value', 'str', '', None, (), 'use_finetune'),
     ('--ckpt-step', 'value', 'int', '', None, (), 'ckpt_semantics'),
     ('--use-mp-args-from-checkpoint-args', 'store_true', '', '', False, (), 'ckpt_args'),
     ('--no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args', 'store_false', '', '', True, (), 'ckpt_args'),
