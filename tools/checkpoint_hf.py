@@ -503,7 +503,8 @@ def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
 
     if not os.path.isdir(load):
         raise HFError(f"--load {load}: no such directory")
-    if ckpt._tracker_text(load) == ckpt.RELEASE:
+    tracker = os.path.join(load, ckpt.TRACKER)
+    if os.path.isfile(tracker) and open(tracker).read().strip() == ckpt.RELEASE:
         path = os.path.join(load, ckpt.RELEASE)
     else:
         iteration = ckpt.read_tracker(load)
@@ -533,12 +534,12 @@ def _read_dcp(path: str, common: dict) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron.training.checkpoint_inspector import load_or_explain
-    from megatron.training.checkpointing_adaptive import _local_name
+    from megatron.training.checkpointing_adaptive import local_name
 
     request = {n: ShardedTensor.from_rank_offsets("dcp.param." + n, torch.empty(s), replica_id=0)
                for n, s in common["canonical"]}
     state = load_or_explain(request, path, validate_access_integrity=False)
-    return {_local_name(n): state[n].float() for n, _ in common["canonical"]}
+    return {local_name(n): state[n].float() for n, _ in common["canonical"]}
 
 
 def hf_config(shape: Shape, base: dict | None, dtype: str) -> dict:

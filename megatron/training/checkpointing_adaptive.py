@@ -246,7 +246,7 @@ def _place(shard: torch.Tensor, sharding, rank: int, t, flat: torch.Tensor) -> N
         shard[piece.offset + lo - piece.start : piece.offset + hi - piece.start] = flat[lo - t.offset : hi - t.offset]
 
 
-def _local_name(name: str) -> str:
+def local_name(name: str) -> str:
     """A --dcp checkpoint saved with transformer-engine layers names the norms TE's way."""
     m = _LAYER.match(name)
     if m is None:
@@ -280,8 +280,8 @@ def load_dcp_weights(args, model, path: str, common: dict) -> None:
     from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
 
     check_model_args(common.get("args"), args, path)
-    stored = {_local_name(n): n for n, _ in common["canonical"]}
-    space = CanonicalSpace(_Shapes([(_local_name(n), s) for n, s in common["canonical"]]))
+    stored = {local_name(n): n for n, _ in common["canonical"]}
+    space = CanonicalSpace(_Shapes([(local_name(n), s) for n, s in common["canonical"]]))
     tp, tp_rank = args.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
     try:
         local = map_stage(model, space, tp, tp_rank, bool(args.swiglu))
