@@ -75,6 +75,8 @@ def test_checkpoints_without_content_metadata():
     from megatron.training.checkpointing import OPTIMIZER_METADATA, _content_metadata, _consumed_samples
 
     assert _content_metadata({"layout": (1, 1, 1, 1)}) == OPTIMIZER_METADATA  # ours, before they recorded it
-    assert _content_metadata({"args": SimpleNamespace()})["distrib_optim_sharding_type"] == "dp_zero_gather_scatter"
+    old_upstream = {"args": SimpleNamespace(use_distributed_optimizer=True)}
+    assert _content_metadata(old_upstream)["distrib_optim_sharding_type"] == "dp_zero_gather_scatter"
+    assert _content_metadata({"args": SimpleNamespace(use_distributed_optimizer=False)}) == {}
     assert _consumed_samples({"consumed_train_samples": 5, "args": SimpleNamespace()}, "ck") == 5
     assert _consumed_samples({"args": SimpleNamespace(consumed_train_samples=7)}, "ck") == 7

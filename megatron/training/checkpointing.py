@@ -149,14 +149,15 @@ def _adam_steps_from_param_groups(optimizer) -> None:
 
 
 def upstream_format(common: dict) -> bool:
-    """Written by upstream Megatron-LM's checkpointing.py (ours always record their layout)."""
-    return "layout" not in common
+    """Written by upstream Megatron-LM's checkpointing.py: ours record their layout, and
+    tools/convert_dcp_checkpoint.py's exports where they came from."""
+    return "layout" not in common and "exported_from" not in common
 
 
 def _saved_layout(common: dict) -> tuple:
     """(world size, tp, pp, cp) the checkpoint was saved under; upstream's from its args."""
-    if "layout" in common:
-        return tuple(common["layout"])
+    if not upstream_format(common):
+        return tuple(common.get("layout", ()))  # an export has none: never the same layout (no RNG state)
     saved = common.get("args")
     return tuple(getattr(saved, name, None) for name in ("world_size", "tensor_model_parallel_size",
                                                         "pipeline_model_parallel_size", "context_parallel_size"))
@@ -171,8 +172,10 @@ def _content_metadata(common: dict) -> dict:
         return {k: v for k, v in saved.items() if k != "dp_cp_group"}
     if not upstream_format(common):
         return dict(OPTIMIZER_METADATA)
-    old = "fully_sharded_model_space" if getattr(common.get("args"), "ckpt_fully_parallel_save", False) \
-        else "dp_zero_gather_scatter"
+    saved = common.get("args")
+    if not getattr(saved, "use_distributed_optimizer", False):
+        return {}
+    old = "fully_sharded_model_space" if getattr(saved, "ckpt_fully_parallel_save", False) else "dp_zero_gather_scatter"
     return {"distrib_optim_sharding_type": old}
 
 
