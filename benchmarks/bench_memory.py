@@ -22,7 +22,7 @@ state, activations and allocator slack.
 
 A third run, the adaptive runtime with a fixed pool that gives each rank many replica
 types (`AdaptivePlanner(layouts=...)`), is not made: no flag exposes a fixed pool
-(`training_dcp.build_planner` passes none).
+(`training_adaptive.build_planner` passes none).
 
 Numbers are from whatever machine runs it (the table says which); on a small CPU the
 ranks share cores, which changes the time, not the memory.
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         print(f"{name:8s} {r['maxrss_gb']:14.2f} {ranks:>26s} {r['wall_s']:9.0f} "
               f"{r['records'][-1]['lm loss']:10.4f}  {layouts}")
     print("(c) dcp with a fixed pool of many replica types per rank: skipped, no flag exposes "
-          "AdaptivePlanner(layouts=...) (training_dcp.build_planner passes none)")
+          "AdaptivePlanner(layouts=...) (training_adaptive.build_planner passes none)")
     if "static" in results and "dcp" in results:
         ratio = results["dcp"]["maxrss_gb"] / results["static"]["maxrss_gb"]
         print(f"peak RSS, dcp / static: {ratio:.2f}x  (target <= 1.25x, goal 1.1x)")

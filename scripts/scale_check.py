@@ -20,7 +20,7 @@ OK when engine bytes + peak activations fit the capacity, OVER otherwise.
   kind's reserved bytes): the budget the planner packs to and the planner's post-condition (`PlannerBase.plan`)
   enforces; the device's own memory is printed beside it;
 - vocabulary: a Llama-2 tokenizer's 32000 ids; the planner's ModelSpec sees them padded as
-  pretrain() pads them (x --tensor-model-parallel-size), the engine as train_adaptive pads
+  pretrain() pads them (x --tensor-model-parallel-size), the engine as AdaptiveRun pads
   them (x lcm of the pool's tp sizes), as in a real `--dcp` run.
 
     .venv/bin/python scripts/scale_check.py                       # llama2-7b, -13b, -70b on h200x64
@@ -97,7 +97,7 @@ def load_lengths(path: str):
 
 
 def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: str | None = None):
-    """The planner `--dcp` training builds (training_dcp.build_planner), on a named cluster,
+    """The planner `--dcp` training builds (training_adaptive.build_planner), on a named cluster,
     with its reserve of layouts for re-choosing the pool (`--dcp-recalibration on`, the
     default); `layouts`: a fixed pool ("1xtp2cp1pp2+1xtp4cp1pp1") instead of the pool search."""
     from dcp_ext.planning.planner import make_planner
@@ -174,9 +174,7 @@ def init_fake_world(rank: int, world: int) -> None:
 
 
 def build_engine(args, planner):
-    """AdaptiveEngine on the meta device, as training_dcp.train_adaptive builds it."""
-    import torch
-
+    """AdaptiveEngine on the meta device, as training_adaptive.AdaptiveRun builds it."""
     import pretrain_gpt_dcp as entry
     from dcp_ext.runtime.engine import AdaptiveEngine
     from megatron.training import global_vars
@@ -265,7 +263,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     args.model_name = name
     # a Llama-2 tokenizer: 32000 ids (NullTokenizer's EOD would add one), padded as training
     # pads it before planning: for every tp the planner may choose on this cluster
-    from megatron.training.training_dcp import vocab_padding_for
+    from megatron.training.training_adaptive import vocab_padding_for
 
     args.tokenizer_vocab = SHAPES[name][5]
     args.padded_vocab_size = vocab_padding_for(args, args.tokenizer_vocab, ClusterSpec.from_preset(cluster))

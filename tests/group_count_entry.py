@@ -39,9 +39,9 @@ def _counting(log):
 dist.new_group = _recorded("new_group", dist.new_group)
 dist.new_subgroups = _recorded("new_subgroups", dist.new_subgroups)
 sys.path.insert(0, REPO)
-from megatron.training import training, training_dcp  # noqa: E402
+from megatron.training import training, training_adaptive  # noqa: E402
 
-training_dcp.AdaptiveSteps.log = _counting(training_dcp.AdaptiveSteps.log)
+training_adaptive.AdaptiveSteps.log = _counting(training_adaptive.AdaptiveSteps.log)
 training.StaticSteps.log = _counting(training.StaticSteps.log)
 sys.argv[0] = os.path.join(REPO, "pretrain_gpt_dcp.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -75,15 +75,15 @@ def test_batch_tokens_default_to_global_batch_times_seq_length():
 
 
 def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
-    from megatron.training import training_dcp
+    from megatron.training import training_adaptive
     from dcp_ext.data.mock_documents import MockDocumentDataset
 
     def planner(extra, world=8):
         args = _parse(["--dcp", "--global-batch-size", "64", "--vocab-size", "255"] + extra, world)
         args.padded_vocab_size = 256
-        cluster = training_dcp.cluster_for(world, args)
+        cluster = training_adaptive.cluster_for(world, args)
         ds = MockDocumentDataset(128, 256, 255, args.seed, num_documents=4000)
-        return args, training_dcp.build_planner(args, ds, cluster)
+        return args, training_adaptive.build_planner(args, ds, cluster)
 
     sizes = {}
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
@@ -91,7 +91,7 @@ def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
         assert p.static_entry in p.pool.layouts, (tp, pp, p.describe())
         (lay, count), = p.static_entry
         assert (lay.tp, lay.cp, lay.pp, count) == (tp, 1, pp, 8 // (tp * pp))
-        line = training_dcp.static_layout_line(args, p)
+        line = training_adaptive.static_layout_line(args, p)
         assert line.startswith(f"dcp: static layout tp={tp} pp={pp} cp=1 is in the candidate pool ("), line
         sizes[tp, pp] = len(p.pool.layouts)
     _, small = planner(["--tensor-model-parallel-size", "2", "--dcp-candidates", "1"])

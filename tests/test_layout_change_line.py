@@ -2,7 +2,7 @@
 old layout would not do (cannot hold it, would recompute, or was priced slower)."""
 from dcp_ext.planning.planner import make_planner
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
-from megatron.training.training_dcp import layout_change_line
+from megatron.training.training_adaptive import layout_change_line
 
 MODEL = ModelSpec.from_preset("demo").with_(vocab_size=512, param_bytes=4, grad_bytes=4, activation_bytes=4)
 CLUSTER = ClusterSpec.cpu_gloo(4).with_(memory_bytes=256e6, reserved_bytes=0.0)

@@ -124,7 +124,7 @@ def check_dcp_optimizer(args: argparse.Namespace) -> None:
     if getattr(args, "no_weight_decay_cond_type", None):
         raise ArgumentError(f"--no-weight-decay-cond-type {args.no_weight_decay_cond_type} is not supported with "
                             "--dcp (biases and 1-D parameters skip weight decay, megatron-core's default): drop it")
-    dec, dec_min = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    dec, dec_min = args.decoupled_lr, args.decoupled_min_lr
     if dec_min is not None and dec is not None and dec_min > dec:
         raise ArgumentError(f"--decoupled-min-lr {_show(dec_min)} is above --decoupled-lr {_show(dec)}")
 

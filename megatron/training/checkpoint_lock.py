@@ -362,7 +362,7 @@ def acquire(args) -> None:
     """Collective when torch.distributed is up: rank 0 takes the lock of `--save` (if given),
     every rank learns the verdict; raises CheckpointLockError (the same line on every rank)
     when another job holds it."""
-    save = getattr(args, "save", None)
+    save = args.save
     if not save:
         return
     import torch.distributed as dist

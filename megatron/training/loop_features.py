@@ -1,7 +1,7 @@
 """Upstream Megatron's per-iteration services, shared by both training loops.
 
 Why a module of its own: the static loop (`training.train`) and the adaptive loop
-(`training_dcp.train_adaptive`) must behave alike for --manual-gc, --empty-unused-memory-level,
+(`training_adaptive.AdaptiveRun`) must behave alike for --manual-gc, --empty-unused-memory-level,
 --exit-duration-in-mins, --exit-signal-handler, --profile, --timing-log-level and wandb;
 each loop calls these hooks with one line apiece, so the loops stay thin.
 

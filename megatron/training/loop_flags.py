@@ -1,7 +1,7 @@
 """Megatron's training-loop and checkpoint flags: definitions, derived values, checks.
 
 Why a module of its own: the static loop (`training.train`) and the adaptive loop
-(`training_dcp.train_adaptive`) honour the same upstream flags (sample-based schedules,
+(`training_adaptive.AdaptiveRun`) honour the same upstream flags (sample-based schedules,
 decoupled LR, exit conditions, profiling, checkpoint contents), so their parsing and
 validation live here once; the parser (`arguments`) and its checks (`argument_checks`)
 call in with one line per hook.
@@ -188,7 +188,7 @@ _FORCED = ("num_query_groups", "group_query_attention", "position_embedding_type
 def apply_checkpoint_args(args) -> None:
     """--use-checkpoint-args: the model-shape flags from --load's checkpoint (before validation).
     The parallel layout stays this run's (our checkpoints load under any layout)."""
-    if not getattr(args, "use_checkpoint_args", False) or not args.load:
+    if not args.use_checkpoint_args or not args.load:
         return
     try:
         iteration = ckpt.read_tracker(args.load)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
-from megatron.training import checkpointing, finite_weights, global_vars, loop_flags, preflight
+from megatron.training import checkpointing, finite_weights, global_vars, preflight
 from megatron.training.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.initialize import (
@@ -33,106 +33,10 @@ from megatron.training.data_workers import WorkerBatches
 from megatron.training.errors import AgreedTrainingError, TrainingError
 from megatron.training.log import TrainingLogger
 from megatron.training.loop import Outcome, run_training
+from megatron.training.builders import (build_lr_scheduler, dtype_of, optimizer_config_from_args,  # noqa: F401
+                                        transformer_config_from_args)
 from megatron.training.memory_report import report_memory, start_memory_report
-
-
-def dtype_of(args) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.params_dtype, torch.float32)
-
-
-def transformer_config_from_args(args, **overrides):
-    """megatron-core TransformerConfig from Megatron flags."""
-    from megatron.core.transformer import TransformerConfig
-
-    recompute = {}
-    if args.recompute_granularity:
-        recompute = dict(
-            recompute_granularity=args.recompute_granularity,
-            recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers,
-        )
-    kwargs = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype_of(args),
-        pipeline_dtype=dtype_of(args),
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Packed (THD) micro-batches vary in length: pipeline stages exchange shapes first.
-        variable_seq_lengths=bool(args.reset_attention_mask or args.dcp),
-        moe_token_dispatcher_type="alltoall",
-        deterministic_mode=not torch.cuda.is_available(),
-        **recompute,
-    )
-    from megatron.training.model_flags import config_fields
-
-    # attention backend, fusions, loss kernel, zero-centred norms, qk norms, fp8
-    kwargs.update(config_fields(args))
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def optimizer_config_from_args(args):
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype_of(args),
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        decoupled_lr=getattr(args, "decoupled_lr", None),
-        decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
-    )
-
-
-def build_lr_scheduler(args, optimizer):
-    """Megatron's OptimizerParamScheduler, stepped once per iteration by `args.lr_step_increment`
-    (1, or the global batch's samples under --train-samples: the schedule then counts samples)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if loop_flags.scheduler_steps(args)["lr_warmup_steps"] else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_style="constant",
-        **loop_flags.scheduler_steps(args),
-        lr_wsd_decay_style="exponential" if args.lr_decay_style == "WSD" else None,
-    )
+from megatron.training.training_adaptive import AdaptiveRun
 
 
 def build_model_and_optimizer(args, model_provider: Callable):
@@ -306,28 +210,65 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
         print_rank_0(f"> {note}")
     global_vars.build_tokenizer(args)
     if args.dcp:
-        from megatron.training.training_dcp import train_adaptive
-
         if document_datasets_provider is None:
             raise ArgumentError("--dcp needs a document_datasets_provider (one document per sample)")
-        return train_adaptive(args, document_datasets_provider, model_provider,
-                              partial(transformer_config_from_args, args), build_lr_scheduler)
-    initialize_model_parallel(args)
-    set_random_seed(args.seed)
+        run = AdaptiveRun(args, document_datasets_provider, model_provider)
+    else:
+        run = StaticRun(args, datasets_provider, model_provider, forward_step_func)
+    return train_run(args, run)
+
+
+def train_run(args, run) -> list:
+    """Both ways to train, set up in one order: seed, data (and, adaptive, the plan's
+    vocabulary and planner), the memory report from here on, the model and optimizer (the
+    engine), the LR schedule, the checkpoint, then the loop. `run` is the seam between the
+    static layout (`StaticRun`) and the adaptive runtime (`training_adaptive.AdaptiveRun`)."""
+    run.seed()
+    run.data()
     peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
-    model, optimizer, config = build_model_and_optimizer(args, model_provider)
+    optimizer = run.build(peak_memory)
     scheduler = build_lr_scheduler(args, optimizer)
-    iteration, consumed_samples = 0, 0
-    if args.load:
-        iteration, consumed_samples = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
-    train_ds, valid_ds, _ = datasets_provider(args)
+    iteration, consumed_samples = run.load(scheduler) if args.load else (0, 0)
     logger = TrainingLogger(args)
-    history = train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
-                    iteration, consumed_samples, logger)
+    features = LoopFeatures(args, adaptive=args.dcp)
+    steps = run.steps(scheduler, consumed_samples, logger, features)
+    history = run_training(args, steps, iteration, features)
+    run.finish()
     report_memory(args, peak_memory)
     logger.close()
     dist.barrier()
     return history
+
+
+class StaticRun:
+    """The static layout's parts: megatron-core's model parallel state, model, DDP and optimizer."""
+
+    def __init__(self, args, datasets_provider, model_provider, forward_step_func):
+        self.args, self.datasets_provider = args, datasets_provider
+        self.model_provider, self.forward_step_func = model_provider, forward_step_func
+
+    def seed(self) -> None:
+        initialize_model_parallel(self.args)
+        set_random_seed(self.args.seed)
+
+    def data(self) -> None:
+        self.train_ds, self.valid_ds, self.test_ds = self.datasets_provider(self.args)
+
+    def build(self, peak_memory):
+        self.model, self.optimizer, self.config = build_model_and_optimizer(self.args, self.model_provider)
+        return self.optimizer
+
+    def load(self, scheduler) -> tuple[int, int]:
+        return checkpointing.load_checkpoint(self.args, self.model, self.optimizer, scheduler)
+
+    def steps(self, scheduler, consumed_samples: int, logger, features) -> "StaticSteps":
+        self.model.train()
+        attach_timers(self.config, self.optimizer, features.timers)
+        return StaticSteps(self.args, self.model, self.optimizer, scheduler, self.config, self.forward_step_func,
+                           self.train_ds, self.valid_ds, consumed_samples, logger, features)
+
+    def finish(self) -> None:
+        pass
 
 
 def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int, collate):
@@ -397,16 +338,6 @@ def loss_scaler_can_back_off(optimizer) -> bool:
     return bool(scalers) and all(
         isinstance(s, DynamicGradScaler) and bool((s.scale > s.min_scale).all()) for s in scalers
     )
-
-
-def train(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
-          iteration: int, consumed_samples: int, logger: TrainingLogger):
-    model.train()
-    features = LoopFeatures(args)
-    attach_timers(config, optimizer, features.timers)
-    steps = StaticSteps(args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
-                        consumed_samples, logger, features)
-    return run_training(args, steps, iteration, features)
 
 
 class StaticSteps:

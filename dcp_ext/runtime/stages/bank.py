@@ -65,7 +65,6 @@ class StageBank:
         self.gated = bool(full_config.gated_linear_unit)
         self.param_dtype = full_config.params_dtype or torch.float32
         self.norm_init = 0.0 if full_config.layernorm_zero_centered_gamma else 1.0
-        self.hidden_size = full_config.hidden_size
         self.planned = sorted(set(replica_types), key=ReplicaType.sort_key)
         heads = full_config.num_attention_heads
         self.refactorings = {rep: alternative_types(rep, heads, full_config.num_query_groups or heads)

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import checkpointing_adaptive, finite_weights
+from megatron.training.builders import transformer_config_from_args
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
-from megatron.training.log import TrainingLogger
-from megatron.training.loop import Outcome, run_training
-from megatron.training.loop_features import LoopFeatures
+from megatron.training.loop import Outcome
 from megatron.training.online_calibration import OnlineCalibration
 from megatron.training.run_config import AdaptiveRunConfig
 from dcp_ext.planning.planners.common import describe as describe_mix
@@ -272,56 +271,67 @@ def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
             f"{why}; first sample: {prefix} document {doc}")
 
 
-def train_adaptive(args, document_datasets_provider, model_provider, make_config, build_scheduler):
-    from dcp_ext.runtime.engine import AdaptiveEngine
-    from dcp_ext.runtime.options import default_device
+class AdaptiveRun:
+    """The adaptive runtime's parts, in `training.train_run`'s order: the cluster, the
+    documents, the padded vocabulary and the planner (before the memory report, as the
+    static path's data), then the engine."""
 
-    set_random_seed_without_parallel_state(args.seed)
-    cluster = cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data is read
-    train_ds, valid_ds, _ = document_datasets_provider(args)
-    say_what_the_data_leaves_out(args, train_ds, valid_ds)
-    from megatron.training.global_vars import get_tokenizer
+    def __init__(self, args, document_datasets_provider, model_provider):
+        self.args, self.datasets_provider, self.model_provider = args, document_datasets_provider, model_provider
+        self.recalibration = None
 
-    args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, cluster)
-    run_config = AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
-    if run_config.overlap_note:
-        print_rank_0(run_config.overlap_note)
-    planner = build_planner(args, train_ds, cluster, run_config.model)
-    types = planner.replica_types()
-    from megatron.training.memory_report import report_memory, start_memory_report
-    peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
-    engine = AdaptiveEngine(
-        types,
-        lambda tp, cp, pp, sp: make_config(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                           pipeline_model_parallel_size=pp, sequence_parallel=sp),
-        lambda config, pre, post, pg: model_provider(config, pre_process=pre, post_process=post, pg_collection=pg),
-        run_config.engine, grad_scaler=grad_scaler_for(args),
-    )
-    held = engine.persistent_bytes()
-    print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
-                 f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
-                 f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
-                 + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
-    scheduler = build_scheduler(args, engine.optimizer)
-    recalibration = OnlineCalibration(planner, engine.device, peak_memory) if args.dcp_recalibration == "on" else None
-    if recalibration is not None:
-        at_rest = recalibration.charge_at_rest(engine)
-        print_rank_0(f"> memory beyond the model at rest (the most over ranks, charged from the first plan): {at_rest / 2**20:.0f} MiB")
-    iteration, consumed = 0, 0
-    if args.load:
-        iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
-    logger = TrainingLogger(args)
-    features = LoopFeatures(args, adaptive=True)
-    engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
-    steps = AdaptiveSteps(args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
-                          recalibration)
-    history = run_training(args, steps, iteration, features)
-    if recalibration is not None:
-        print_rank_0(f"> cost model recalibrated online: {recalibration.summary()}")
-    report_memory(args, peak_memory)
-    logger.close()
-    dist.barrier()
-    return history
+    def seed(self) -> None:
+        set_random_seed_without_parallel_state(self.args.seed)
+        self.cluster = cluster_for(self.args.world_size, self.args)  # an unknown GPU stops here, before any data
+
+    def data(self) -> None:
+        from dcp_ext.runtime.options import default_device
+        from megatron.training.global_vars import get_tokenizer
+
+        args = self.args
+        self.train_ds, self.valid_ds, self.test_ds = self.datasets_provider(args)
+        say_what_the_data_leaves_out(args, self.train_ds, self.valid_ds)
+        args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, self.cluster)
+        self.config = AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
+        if self.config.overlap_note:
+            print_rank_0(self.config.overlap_note)
+        self.planner = build_planner(args, self.train_ds, self.cluster, self.config.model)
+
+    def build(self, peak_memory):
+        from dcp_ext.runtime.engine import AdaptiveEngine
+
+        args, types = self.args, self.planner.replica_types()
+        self.engine = engine = AdaptiveEngine(
+            types,
+            lambda tp, cp, pp, sp: transformer_config_from_args(args, tensor_model_parallel_size=tp,
+                                                                context_parallel_size=cp,
+                                                                pipeline_model_parallel_size=pp, sequence_parallel=sp),
+            lambda config, pre, post, pg: self.model_provider(config, pre_process=pre, post_process=post,
+                                                              pg_collection=pg),
+            self.config.engine, grad_scaler=grad_scaler_for(args))
+        held = engine.persistent_bytes()
+        print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
+                     f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
+                     f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
+                     + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
+        if args.dcp_recalibration == "on":
+            self.recalibration = OnlineCalibration(self.planner, engine.device, peak_memory)
+            at_rest = self.recalibration.charge_at_rest(engine)
+            print_rank_0(f"> memory beyond the model at rest (the most over ranks, charged from the first plan): "
+                         f"{at_rest / 2**20:.0f} MiB")
+        return engine.optimizer
+
+    def load(self, scheduler) -> tuple[int, int]:
+        return checkpointing_adaptive.load(self.args, self.engine, scheduler, self.planner)
+
+    def steps(self, scheduler, consumed_samples: int, logger, features) -> "AdaptiveSteps":
+        self.engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
+        return AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds, self.valid_ds,
+                             consumed_samples, logger, features, self.recalibration)
+
+    def finish(self) -> None:
+        if self.recalibration is not None:
+            print_rank_0(f"> cost model recalibrated online: {self.recalibration.summary()}")
 
 
 class AdaptiveSteps:
