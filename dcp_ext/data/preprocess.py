@@ -197,7 +197,7 @@ def run(args, part: tuple[int, int] | None = None) -> dict[str, str]:
     if args.partitions > 1 and part is None:
         from dcp_ext.data.preprocess_partitions import run_partitions
 
-        return run_partitions(args, run)
+        return run_partitions(args, run, output_meta, report)
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       vocab_size=args.vocab_size)

@@ -60,11 +60,12 @@ def _collect(procs, queue) -> dict:
     return results
 
 
-def run_partitions(args, run) -> dict[str, str]:
-    """Preprocess `args.input` in `args.partitions` parts (`run(args, part)` each) and merge."""
+def run_partitions(args, run, output_meta, report) -> dict[str, str]:
+    """Preprocess `args.input` in `args.partitions` parts (`run(args, part)` each) and merge;
+    `output_meta(args, tokenizer)` and `report(writers, prefixes)` are preprocess's own (passed
+    in: preprocess imports this module)."""
     from dcp_ext.cli.boundary import writing
     from dcp_ext.data.indexed import DocumentWriter
-    from dcp_ext.data.preprocess import output_meta, report
     from dcp_ext.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
