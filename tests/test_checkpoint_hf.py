@@ -163,6 +163,30 @@ def test_fused_qkv_layout_round_trips_per_query_group():
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, shape), (q, k, v)))
 
 
+def test_vocabulary_rows_hold_the_tokenizer_and_the_embedding(tmp_path):
+    """Megatron pads the tokenizer's vocabulary; the rows must also hold every HF embedding row."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tools.checkpoint_hf import Shape, vocabulary
+
+    vocab = {f"t{i}": i for i in range(299)}
+    vocab["</s>"] = 299
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(tmp_path / "tok"))
+    shape = Shape("llama", 1, 8, 16, heads=4, groups=2, head_dim=2, vocab=256, eps=1e-6, rope_base=10000,
+                  max_positions=8, tied=False, qkv_bias=False)
+    hf_tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath("/x/save")]
+    assert vocabulary(shape, str(tmp_path / "tok"), "/x/save") == (384, 128, hf_tokenizer)  # 300 tokens
+    shape.vocab = 1000  # an embedding larger than the tokenizer: its rows, and the padding that keeps them
+    assert vocabulary(shape, str(tmp_path / "tok"), "/x/save") == (
+        1024, 1024, hf_tokenizer + ["--make-vocab-size-divisible-by", "1024"])
+    shape.vocab = 256  # no tokenizer: NullTokenizer, the last id its EOD
+    assert vocabulary(shape, str(tmp_path), "/x/save") == (256, 128, ["--tokenizer-type", "NullTokenizer",
+                                                                      "--vocab-size", "255"])
+
+
 # ------------------------------------------------------------------ dist tier
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
@@ -291,35 +315,47 @@ def test_import_then_export_gives_the_same_tensors(imported):
         assert torch.equal(hf_model(out)(input_ids=tokens).logits, hf_model(imported.hf)(input_ids=tokens).logits)
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("kind,overrides", [("qwen2", {}), ("llama", {"tie_word_embeddings": True,
-                                                                       "num_key_value_heads": 4})],
-                         ids=["qwen2-qkv-bias", "llama-tied"])
-def test_variants_round_trip(kind, overrides, tmp_path):
-    hf_dir = save_tiny(str(tmp_path / kind), kind, seed=3, **overrides)
-    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt")])
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A Qwen2-style model (QKV bias) imported once."""
+    root = tmp_path_factory.mktemp("qwen2")
+    hf_dir = save_tiny(str(root / "hf"), "qwen2", seed=5)
+    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(root / "ckpt")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert ("--add-qkv-bias" in r.stdout) == (kind == "qwen2")
-    assert ("--untie-embeddings-and-output-weights" in r.stdout) == (not overrides.get("tie_word_embeddings"))
-    out = export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    assert_same_tensors(tensors_of(hf_dir), tensors_of(out))
-    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == kind
+    flags = open(root / "ckpt" / "hf_model_args.txt").read().split()
+    return types.SimpleNamespace(root=root, hf=hf_dir, ckpt=str(root / "ckpt"), flags=flags)
+
+
+@pytest.mark.dist
+def test_qwen2_round_trips(qwen2):
+    assert "--add-qkv-bias" in qwen2.flags and "--untie-embeddings-and-output-weights" in qwen2.flags
+    out = export(qwen2.ckpt, str(qwen2.root / "out"))
+    assert_same_tensors(tensors_of(qwen2.hf), tensors_of(out))
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
     hf_model(out)  # transformers loads it
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("path", ["static", "dcp"])
-def test_qwen2_qkv_bias_trains_with_hugging_faces_logits(path, tmp_path, text_corpus):
-    hf_dir = save_tiny(str(tmp_path / "qwen2"), "qwen2", seed=5)
-    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt")] + (["--dcp"] if path == "dcp" else []))
+def test_tied_llama_round_trips_and_import_checks_dcp(tmp_path):
+    hf_dir = save_tiny(str(tmp_path / "tied"), seed=3, tie_word_embeddings=True, num_key_value_heads=4)
+    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt"), "--dcp"])
     assert r.returncode == 0, r.stderr[-3000:]
-    run = types.SimpleNamespace(root=tmp_path, flags=open(tmp_path / "ckpt" / "hf_model_args.txt").read().split())
-    assert "--add-qkv-bias" in run.flags and ("--dcp" in run.flags) == (path == "dcp")
-    extra = ["--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off"] if path == "dcp" else []
-    dump = run_dumped(run, 1, run_flags(run, text_corpus, path, *extra), path)
-    hf = hf_model(hf_dir)
+    assert "--untie-embeddings-and-output-weights" not in r.stdout and "--group-query-attention" not in r.stdout
+    assert r.stdout.rstrip().endswith("--finetune --dcp")
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert_same_tensors(tensors_of(hf_dir), tensors_of(out))
+    assert "lm_head.weight" not in tensors_of(out)
+    hf_model(out)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("path", ["static", "dcp"])
+def test_qwen2_qkv_bias_trains_with_hugging_faces_logits(path, qwen2, text_corpus):
+    extra = ["--dcp", "--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off"] if path == "dcp" else []
+    dump = run_dumped(qwen2, 1, run_flags(qwen2, text_corpus, path, *extra), path)
+    hf = hf_model(qwen2.hf)
     assert max_logit_difference(dump, hf) < TOL
-    assert first_loss(run, path) == pytest.approx(hf_loss(dump, hf), abs=TOL)
+    assert first_loss(qwen2, path) == pytest.approx(hf_loss(dump, hf), abs=TOL)
 
 
 # ------------------------------------------------------------------ refusals

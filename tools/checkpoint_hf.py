@@ -336,16 +336,24 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def vocabulary(shape: Shape, save: str, copied: list[str]) -> tuple[int, int, list[str]]:
+def vocabulary(shape: Shape, source: str, save: str) -> tuple[int, int, list[str]]:
     """(padded rows, --make-vocab-size-divisible-by, tokenizer flags): Megatron pads the
-    tokenizer's vocabulary; the rows must also hold every row of the HF embedding."""
-    has_tokenizer = any(n in copied for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    size = tokenizer_size(save) if has_tokenizer else None
+    tokenizer's vocabulary (the one in `source`, copied to `save`); the rows must also hold
+    every row of the HF embedding."""
+    has_tokenizer = any(os.path.isfile(os.path.join(source, n))
+                        for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    size = None
+    if has_tokenizer:  # loaded as the run will load it: the copied files alone, without config.json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as alone:
+            copy_tokenizer(source, alone)
+            size = tokenizer_size(alone)
     if size is not None:
         flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(save)]
     else:  # no tokenizer that loads here: NullTokenizer, ids 0..vocab-1, the last one its EOD
         if has_tokenizer:
-            print(f"note: the tokenizer files copied to {save} do not load here; the flags name NullTokenizer "
+            print(f"note: the tokenizer files of {source} do not load here; the flags name NullTokenizer "
                   "(give --tokenizer-type/--tokenizer-model yourself)")
         flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1)]
     size = size or shape.vocab
@@ -376,14 +384,20 @@ def _one_rank_group() -> None:
 
 
 # -------------------------------------------------------------------- import
-def build_args(flags: list[str], shape: Shape, rows: int) -> argparse.Namespace:
+def build_args(flags: list[str], shape: Shape, rows: int, dcp: bool) -> argparse.Namespace:
     """The run's arguments for these model flags (parsed as pretrain_gpt_dcp.py parses them),
-    at TP1/PP1 on one rank, the vocabulary padded to `rows`."""
-    from megatron.training.arguments import parse_args
+    at TP1/PP1 on one rank, the vocabulary padded to `rows`. With `dcp` the flags are first
+    checked as a --dcp run checks them. A refusal is one line naming the flag."""
+    from megatron.training.arguments import ArgumentError, parse_args
 
     extra = ["--seq-length", str(min(shape.max_positions, 4096)), "--micro-batch-size", "1",
              "--global-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
-    args = parse_args(flags + extra, world_size=1)
+    try:
+        if dcp:
+            parse_args(flags + extra + ["--dcp"], world_size=1)
+        args = parse_args(flags + extra, world_size=1)
+    except ArgumentError as e:
+        raise HFError(f"this model's flags are refused{' under --dcp' if dcp else ''}: {e}") from None
     args.padded_vocab_size = rows
     args.no_save_optim = args.no_save_rng = True  # what a load without --finetune is told to skip
     return args
@@ -433,17 +447,15 @@ def do_import(opts) -> int:
     cfg = read_config(opts.hf, "--hf")
     shape = shape_from_config(cfg, os.path.join(opts.hf, "config.json"))
     check_save(opts.save)
-    hf = read_hf_tensors(opts.hf)
-    os.makedirs(opts.save, exist_ok=True)
-    copied = copy_tokenizer(opts.hf, opts.save)
-    rows, divisible_by, tokenizer = vocabulary(shape, opts.save, copied)
-    ours = hf_to_canonical(hf, shape, rows)
-    del hf
-    with open(os.path.join(opts.save, CONFIG_FILE), "w") as f:
-        json.dump(cfg, f, indent=2)
+    rows, _, tokenizer = vocabulary(shape, opts.hf, opts.save)
     flags = megatron_flags(shape) + tokenizer
     _one_rank_group()
-    args = build_args(flags, shape, rows)
+    args = build_args(flags, shape, rows, opts.dcp)  # refused flags: before anything is written
+    ours = hf_to_canonical(read_hf_tensors(opts.hf), shape, rows)
+    os.makedirs(opts.save, exist_ok=True)
+    copied = copy_tokenizer(opts.hf, opts.save)
+    with open(os.path.join(opts.save, CONFIG_FILE), "w") as f:
+        json.dump(cfg, f, indent=2)
     write_static(opts.save, ours, args, {"format": IMPORT_FORMAT, "hf": os.path.abspath(opts.hf),
                                          "model_type": shape.model_type, "vocab_size": shape.vocab})
     load = ["--load", os.path.abspath(opts.save), "--finetune"] + (["--dcp"] if opts.dcp else [])
