@@ -56,7 +56,7 @@ def train_valid_test_datasets_provider(args):
     from dcp_ext.data.gpt_dataset import build_fixed_length_datasets
     from megatron.training.global_vars import get_tokenizer
 
-    eval_runs = args.train_iters // args.eval_interval + 1
+    eval_runs = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1  # + the end-of-run one
     num_samples = (
         args.train_iters * args.global_batch_size,
         eval_runs * args.eval_iters * args.global_batch_size,

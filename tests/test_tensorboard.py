@@ -42,7 +42,8 @@ def test_dcp_run_writes_megatron_tags_matching_its_loss_log(tmp_path):
         # the same values against the samples consumed by then
         assert got[f"{tag} vs samples"] == [(records[s]["consumed samples"], v) for s, v in got[tag]]
     assert all(v == 1.0 for _, v in got["loss-scale"])  # fp32/bf16: no loss scaling
-    assert [s for s, _ in got["lm loss validation"]] == [3, 6]
+    # every --eval-interval, then upstream's end-of-run validation at the last iteration
+    assert [s for s, _ in got["lm loss validation"]] == [3, 6, 6]
     for (_, loss), (_, ppl) in zip(got["lm loss validation"], got["lm loss validation ppl"]):
         assert ppl == pytest.approx(2.718281828459045 ** loss, rel=1e-5)
 

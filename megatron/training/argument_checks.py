@@ -241,7 +241,8 @@ def validate_args(args: argparse.Namespace) -> None:
         need(args.lr_warmup_iters < (args.lr_decay_iters or 0),
              f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "
              "(default: --train-iters)")
-    need(args.log_interval > 0 and args.eval_interval > 0, "--log-interval and --eval-interval must be > 0")
+    need(args.log_interval > 0 and (args.eval_interval is None or args.eval_interval > 0),
+         "--log-interval and --eval-interval must be > 0")
     need(args.tensorboard_log_interval > 0 and args.tensorboard_queue_size > 0,
          "--tensorboard-log-interval and --tensorboard-queue-size must be > 0")
     need(not (args.use_distributed_optimizer and args.optimizer == "sgd"), "--use-distributed-optimizer needs --optimizer adam")

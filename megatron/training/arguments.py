@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="evaluate every N iterations (default: only once, after training, as upstream)")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)

@@ -126,16 +126,22 @@ class TrainingLogger:
         self.window_loss, self.window_advanced = 0.0, 0
         self.skipped = self.nan = 0
 
-    def log_validation(self, iteration, loss):
+    def log_validation(self, iteration, loss, prefix: str | None = None, scalars: bool = True):
+        """Upstream's validation block: ` validation loss at <prefix> | lm loss value: ... |
+        lm loss PPL: ... | ` between two dash lines one longer than it. `prefix`: `iteration N`
+        (the default), or `iteration N on validation set` / `... on test set` at the end.
+        `scalars`: also to TensorBoard/W&B as 'lm loss validation' (not for the test set)."""
         ppl = math.exp(min(20.0, loss))
-        print_rank_last(
-            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
-        )
-        if self.writer is not None or self.wandb is not None:
-            scalars = {"lm loss validation": loss}
+        line = (f" validation loss at {prefix or f'iteration {iteration}'} | "
+                f"lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | ")
+        print_rank_last("-" * (len(line) + 1))
+        print_rank_last(line)
+        print_rank_last("-" * (len(line) + 1))
+        if scalars and (self.writer is not None or self.wandb is not None):
+            values = {"lm loss validation": loss}
             if self.args.log_validation_ppl_to_tensorboard:
-                scalars["lm loss validation ppl"] = ppl
-            self._scalars(scalars, iteration, self.consumed_samples)
+                values["lm loss validation ppl"] = ppl
+            self._scalars(values, iteration, self.consumed_samples)
 
     def _scalars(self, scalars: dict, iteration: int, consumed_samples: int) -> None:
         """Each value against the iteration and, as '<tag> vs samples', against the

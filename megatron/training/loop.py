@@ -3,7 +3,13 @@
 Why it exists: the static path (megatron-core's schedules) and the --dcp path (the
 adaptive engine) differ in how one iteration runs, is logged, evaluated and saved, not
 in the rules around it. Those rules are written once here; each path hands in a `Steps`
-object with its own five operations.
+object with its own operations.
+
+Evaluation as upstream Megatron-LM: every --eval-interval iterations (None: never during
+training) the next --eval-iters global batches of the validation split (one pass walks on
+through the split across evaluations, wrapping at its end); after a run that reached
+--train-iters (not an exit), the validation and test splits once more, as
+`iteration N on validation set` / `iteration N on test set`.
 """
 from __future__ import annotations
 
@@ -26,18 +32,35 @@ class Outcome:
 
 class Steps(Protocol):
     has_validation: bool
+    has_test: bool
     save_without_progress: bool  # save at the end even when no iteration ran since the start
 
     def run(self, iteration: int) -> Outcome: ...
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None: ...
-    def evaluate(self, iteration: int) -> None: ...
+    def start_validation_at(self, batches: int) -> None: ...  # global batches taken before this start
+    def evaluate(self, iteration: int, prefix: str, split: str = "valid") -> None: ...
     def save(self, iteration: int) -> None: ...
     def close(self) -> None: ...
 
 
+def validation_batches_before(args, iteration: int) -> int:
+    """The validation batches the evaluations up to `iteration` took: where a resumed run's
+    pass goes on (upstream's count of consumed validation samples from the iteration)."""
+    return (iteration // args.eval_interval) * args.eval_iters if args.eval_interval else 0
+
+
+def _evaluate(steps: Steps, features, iteration: int, prefix: str, split: str = "valid") -> None:
+    features.eval_boundary()
+    steps.evaluate(iteration, prefix, split)
+    features.eval_boundary()
+
+
 def run_training(args, steps: Steps, iteration: int, features) -> list[tuple[int, float]]:
     """Iterations from `iteration` to --train-iters (or an exit); returns (iteration, loss)."""
-    start_iteration, nan_streak, history = iteration, 0, []
+    start_iteration, nan_streak, history, exited = iteration, 0, [], False
+    validating = steps.has_validation and args.eval_iters > 0
+    if validating:
+        steps.start_validation_at(validation_batches_before(args, iteration))
     while iteration < args.train_iters:
         file_guard.check()  # a data file changed under the job: one line now, not a SIGBUS later
         features.begin_iteration(iteration)
@@ -51,19 +74,24 @@ def run_training(args, steps: Steps, iteration: int, features) -> list[tuple[int
         steps.log(iteration, outcome, time.perf_counter() - start)
         history.append((iteration, outcome.loss))
         features.end_iteration(iteration)
-        if steps.has_validation and args.eval_iters > 0 and iteration % args.eval_interval == 0:
-            features.eval_boundary()
-            steps.evaluate(iteration)
-            features.eval_boundary()
+        if validating and args.eval_interval and iteration % args.eval_interval == 0:
+            _evaluate(steps, features, iteration, f"iteration {iteration}")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             steps.save(iteration)
         if args.exit_interval and iteration % args.exit_interval == 0:
+            exited = True
             break
         if features.should_exit(iteration):  # exit signal or duration: the save below, then exit 0
+            exited = True
             break
-    features.finish()
     steps.close()
     just_saved = args.save_interval and iteration % args.save_interval == 0
     if args.save and not just_saved and (iteration > start_iteration or steps.save_without_progress):
         steps.save(iteration)
+    if not exited:  # as upstream: after the schedule's end (an exit leaves before), once more
+        if validating:
+            _evaluate(steps, features, iteration, f"iteration {iteration} on validation set")
+        if steps.has_test and args.eval_iters > 0:
+            _evaluate(steps, features, iteration, f"iteration {iteration} on test set", split="test")
+    features.finish()  # after the end-of-run evaluation: it still logs to --wandb-project
     return history

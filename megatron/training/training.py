@@ -265,7 +265,7 @@ class StaticRun:
         self.model.train()
         attach_timers(self.config, self.optimizer, features.timers)
         return StaticSteps(self.args, self.model, self.optimizer, scheduler, self.config, self.forward_step_func,
-                           self.train_ds, self.valid_ds, consumed_samples, logger, features)
+                           self.train_ds, self.valid_ds, consumed_samples, logger, features, test_ds=self.test_ds)
 
     def finish(self) -> None:
         pass
@@ -347,7 +347,7 @@ class StaticSteps:
     save_without_progress = True
 
     def __init__(self, args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
-                 consumed_samples, logger, features):
+                 consumed_samples, logger, features, test_ds=None):
         from megatron.core import parallel_state
 
         from megatron.training.batches import collate_fixed_length
@@ -356,6 +356,8 @@ class StaticSteps:
         self.config, self.forward_step_func, self.logger, self.features = config, forward_step_func, logger, features
         self.train_ds, self.valid_ds, self.consumed_samples = train_ds, valid_ds, consumed_samples
         self.has_validation = valid_ds is not None
+        self.test_ds, self.has_test = test_ds, test_ds is not None
+        self.consumed_valid_samples = 0  # the validation pass walks on from here (wrapping at the split's end)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -385,9 +387,18 @@ class StaticSteps:
                                   self.optimizer, self.grad_norm, outcome.applied, flops.item(),
                                   self.args.global_batch_size)
 
-    def evaluate(self, iteration: int) -> None:
-        evaluate_and_log(self.args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func,
-                         self.valid_ds, iteration, self.collate, self.dp_rank, self.dp_size, self.logger)
+    def start_validation_at(self, batches: int) -> None:
+        self.consumed_valid_samples = batches * self.args.global_batch_size
+
+    def evaluate(self, iteration: int, prefix: str, split: str = "valid") -> None:
+        """The next --eval-iters global batches of the validation split, or (split 'test')
+        the test split's first ones, as upstream's iterators give them."""
+        test = split == "test"
+        dataset, start = (self.test_ds, 0) if test else (self.valid_ds, self.consumed_valid_samples)
+        evaluate_and_log(self.args, self.model, self.forward_step_func, dataset, start, self.collate, self.dp_rank,
+                         self.dp_size, self.logger, iteration, prefix, scalars=not test)
+        if not test:
+            self.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
 
     def save(self, iteration: int) -> None:
         checkpointing.save_checkpoint(self.args, iteration, self.consumed_samples, self.model, self.optimizer,
@@ -398,17 +409,23 @@ class StaticSteps:
             self.workers.close()
 
 
-def evaluate_and_log(args, model, optimizer, scheduler, config, forward_step_func, valid_ds, iteration,
-                     collate, dp_rank, dp_size, logger):
+def evaluate_and_log(args, model, forward_step_func, dataset, consumed_samples: int, collate, dp_rank: int,
+                     dp_size: int, logger, iteration: int, prefix: str, scalars: bool = True) -> float:
+    """The per-token loss (as upstream: over every token of the pass) of --eval-iters global
+    batches of `dataset` from `consumed_samples` on, forward only; logged as upstream's block."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     model.eval()
-    total, count = 0.0, 0
+    reported = []
     with torch.no_grad():
         for i in range(args.eval_iters):
-            consumed = i * args.global_batch_size
-            batches = list(micro_batches(valid_ds, consumed, args, dp_rank, dp_size, collate))
-            losses, _, _ = train_step(args, model, optimizer, scheduler, config, forward_step_func, iter(batches),
-                                      args.num_microbatches, args.seq_length, forward_only=True)
-            total += losses["lm loss"]
-            count += 1
+            batches = list(micro_batches(dataset, consumed_samples + i * args.global_batch_size, args, dp_rank,
+                                         dp_size, collate))
+            reported += get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=iter(batches), model=[model],
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True) or []
     model.train()
-    logger.log_validation(iteration, total / max(count, 1))
+    loss = reduce_losses(reported)["lm loss"]
+    logger.log_validation(iteration, loss, prefix, scalars=scalars)
+    return loss

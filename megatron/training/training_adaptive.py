@@ -242,19 +242,45 @@ def build_planner(args, train_ds, cluster=None, model=None):
     return planner
 
 
-def evaluate(args, engine, planner, valid_ds) -> float:
-    """Per-token loss over the first --eval-iters global batches of the validation split."""
-    from dcp_ext.data.batches import GlobalBatchStream
+class SplitBatches:
+    """The global batches of a validation or test split, one after another across calls
+    (as upstream's one data iterator per split), from the split's start again at its end."""
 
-    stream = GlobalBatchStream(valid_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len, limit=len(valid_ds))
+    def __init__(self, args, dataset, skip: int = 0):
+        self.args, self.dataset = args, dataset
+        self.stream = self._from_start()
+        try:
+            for _ in range(skip):  # a resumed run: the batches its earlier evaluations took
+                self.next()
+        except StopIteration:  # no batch in the split: evaluate() says nothing is there
+            pass
+
+    def _from_start(self):
+        from dcp_ext.data.batches import GlobalBatchStream
+
+        return GlobalBatchStream(self.dataset, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len,
+                                 limit=len(self.dataset))
+
+    def next(self):
+        try:
+            return self.stream.next()
+        except StopIteration:
+            self.stream = self._from_start()
+            return self.stream.next()  # StopIteration again: the split holds no batch
+
+
+def evaluate(args, engine, planner, dataset, batches: SplitBatches | None = None) -> float:
+    """Per-token loss over the next --eval-iters global batches of `batches` (a walk through
+    `dataset`; without one, its first batches)."""
+    batches = batches if batches is not None else SplitBatches(args, dataset)
     total, tokens = 0.0, 0.0
     for i in range(args.eval_iters):
         try:
-            batch = stream.next()
+            batch = batches.next()
         except StopIteration:
             break
         it = planner.plan(i, batch.sample_ids, batch.lengths)
-        loss_sum, n = engine.eval_iteration(it, valid_ds, eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
+        loss_sum, n = engine.eval_iteration(it, dataset, eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
         total, tokens = total + loss_sum, tokens + n
     return total / max(tokens, 1.0)
 
@@ -327,7 +353,7 @@ class AdaptiveRun:
     def steps(self, scheduler, consumed_samples: int, logger, features) -> "AdaptiveSteps":
         self.engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
         return AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds, self.valid_ds,
-                             consumed_samples, logger, features, self.recalibration)
+                             consumed_samples, logger, features, self.recalibration, test_ds=self.test_ds)
 
     def finish(self) -> None:
         if self.recalibration is not None:
@@ -341,12 +367,14 @@ class AdaptiveSteps:
     save_without_progress = False
 
     def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
-                 recalibration: OnlineCalibration | None = None):
+                 recalibration: OnlineCalibration | None = None, test_ds=None):
         from dcp_ext.data.batches import GlobalBatchStream
 
         self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
         self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
         self.has_validation = valid_ds is not None
+        self.test_ds, self.has_test = test_ds, test_ds is not None
+        self.valid_batches = None  # the validation pass, walking on across evaluations (start_validation_at)
         self.eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
         self.stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len,
                                         consumed_samples=consumed)
@@ -444,8 +472,19 @@ class AdaptiveSteps:
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
 
-    def evaluate(self, iteration: int) -> None:
-        self.logger.log_validation(iteration, evaluate(self.args, self.engine, self.eval_planner, self.valid_ds))
+    def start_validation_at(self, batches: int) -> None:
+        self.valid_batches = SplitBatches(self.args, self.valid_ds, skip=batches)
+
+    def evaluate(self, iteration: int, prefix: str, split: str = "valid") -> None:
+        """The next --eval-iters global batches of the validation split, or (split 'test')
+        the test split's first ones."""
+        if split == "test":
+            loss = evaluate(self.args, self.engine, self.eval_planner, self.test_ds)
+        else:
+            if self.valid_batches is None:
+                self.valid_batches = SplitBatches(self.args, self.valid_ds)
+            loss = evaluate(self.args, self.engine, self.eval_planner, self.valid_ds, self.valid_batches)
+        self.logger.log_validation(iteration, loss, prefix, scalars=split != "test")
 
     def save(self, iteration: int) -> None:
         checkpointing_adaptive.save(self.args, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
