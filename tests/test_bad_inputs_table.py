@@ -177,6 +177,16 @@ CASES = [
     Case("ckpt-static-other-vocab-padding", ["--load", "{static_ckpt}", "--train-iters", "2",
                                              "--make-vocab-size-divisible-by", "192"],
          "vocab", keeps=("static_ckpt",)),
+    # pretrained weights across the two paths (issue 28): --finetune reads the other kind's weights
+    Case("ckpt-dcp-finetune-from-static-other-shape", ["--load", "{static_ckpt}", "--finetune"] + SHAPE,
+         "holds another model: --hidden-size is 32 here and 64 in the checkpoint", keeps=("static_ckpt",), base="dcp"),
+    Case("ckpt-static-finetune-from-dcp-other-shape", ["--load", "{dcp_ckpt}", "--finetune"] + SHAPE,
+         "holds another model: --hidden-size is 32 here and 64 in the checkpoint", keeps=("dcp_ckpt",)),
+    Case("ckpt-static-finetune-from-dcp-other-vocab-padding", ["--load", "{dcp_ckpt}", "--finetune",
+                                                               "--make-vocab-size-divisible-by", "192"],
+         "its vocabulary is padded to 256 rows", keeps=("dcp_ckpt",)),
+    Case("ckpt-pretrained-checkpoint-empty", ["--pretrained-checkpoint", "{tmp}/empty_ckpt"],
+         "--pretrained-checkpoint {tmp}/empty_ckpt: no checkpoint there", code=2),
     # NaN / inf loss
     Case("nan-loss-static", NAN, "NaN/inf iterations in a row"),
     Case("nan-loss-dcp", NAN, "NaN/inf iterations in a row", base="dcp"),

@@ -283,15 +283,15 @@ def load_dcp_weights(args, model, path: str, common: dict) -> None:
     stored = {local_name(n): n for n, _ in common["canonical"]}
     space = CanonicalSpace(_Shapes([(local_name(n), s) for n, s in common["canonical"]]))
     tp, tp_rank = args.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
-    try:
-        local = map_stage(model, space, tp, tp_rank, bool(args.swiglu))
-    except (KeyError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}: the model flags do not describe its model ({str(e).strip()})") from None
     rows = space.tensors.get("embedding.word_embeddings.weight")
     if rows is not None and rows.shape[0] != args.padded_vocab_size:
         raise ckpt.CheckpointError(f"{path}: its vocabulary is padded to {rows.shape[0]} rows, this run's to "
                                    f"{args.padded_vocab_size}: pass --make-vocab-size-divisible-by "
                                    f"{rows.shape[0] // tp} (at --tensor-model-parallel-size {tp})")
+    try:
+        local = map_stage(model, space, tp, tp_rank, bool(args.swiglu))
+    except (KeyError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}: the model flags do not describe its model ({str(e).strip()})") from None
     needed = sorted({lp.canonical for lp in local})
     request = {n: ShardedTensor.from_rank_offsets("dcp.param." + stored[n], torch.empty(space.tensors[n].shape),
                                                   replica_id=dist.get_rank()) for n in needed}
