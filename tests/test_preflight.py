@@ -36,7 +36,7 @@ def test_each_problem_is_named(tmp_path):
 def test_os_errors_are_said_as_such():
     import errno
 
-    said = {code: preflight._os_problem(OSError(code, os.strerror(code)), "--save", "directory")[0]
+    said = {code: preflight.os_problem_line(OSError(code, os.strerror(code)), "--save", "directory")[0]
             for code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)}
     assert said == {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
                     errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",

@@ -155,6 +155,9 @@ class HuggingFaceTokenizer(Tokenizer):
             try:
                 self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
             except Exception as e:  # transformers raises OSError, ValueError, or the tokenizers library's Exception
+                damaged = damaged_tokenizer_json(path)
+                if damaged:  # name the file that is broken, not transformers' guess
+                    raise DataError(damaged) from None
                 raise DataError(f"--tokenizer-model {tokenizer_model}: cannot load the tokenizer "
                                 f"({_first_line(e)})") from None
             self.vocab_size = len(self._hf)
@@ -231,6 +234,23 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _identity(self):
         return super()._identity() + [("path", os.path.abspath(self.path))]
+
+
+def damaged_tokenizer_json(folder: str) -> str | None:
+    """The line naming `folder`'s tokenizer.json as damaged, when it is there and the
+    tokenizers library cannot read it; None otherwise."""
+    file = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        from tokenizers import Tokenizer as FastTokenizer
+    except ImportError:
+        return None
+    try:
+        FastTokenizer.from_file(file)
+    except Exception as e:  # the tokenizers library raises a bare Exception on a damaged file
+        return f"{file} is not a valid tokenizer.json ({_first_line(e)})"
+    return None
 
 
 def _first_line(e: BaseException) -> str:
