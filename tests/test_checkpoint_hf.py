@@ -41,8 +41,9 @@ def tiny_config(kind: str = "llama", **overrides) -> dict:
     return cfg
 
 
-def save_tiny(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
-    """A random model of `kind` saved with save_pretrained (fp32, safetensors)."""
+def save_tiny(path: str, kind: str = "llama", seed: int = 0, shard: str | None = None, **overrides) -> str:
+    """A random model of `kind` saved with save_pretrained (fp32, safetensors; in shards of at
+    most `shard`, with their index, if given)."""
     import torch
     import transformers
 
@@ -54,7 +55,7 @@ def save_tiny(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:  # a stand-in: copied, never loaded here
         json.dump({"model_max_length": 128}, f)
     return path
@@ -136,7 +137,11 @@ def first_loss(imported, name: str) -> float:
 def tensors_of(folder: str) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(folder, "model.safetensors"))
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:
@@ -336,8 +341,9 @@ def test_qwen2_round_trips(qwen2):
 
 
 @pytest.mark.dist
-def test_tied_llama_round_trips_and_import_checks_dcp(tmp_path):
-    hf_dir = save_tiny(str(tmp_path / "tied"), seed=3, tie_word_embeddings=True, num_key_value_heads=4)
+def test_tied_sharded_llama_round_trips_and_import_checks_dcp(tmp_path):
+    hf_dir = save_tiny(str(tmp_path / "tied"), seed=3, shard="100KB", tie_word_embeddings=True, num_key_value_heads=4)
+    assert os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json"))
     r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt"), "--dcp"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--untie-embeddings-and-output-weights" not in r.stdout and "--group-query-attention" not in r.stdout
