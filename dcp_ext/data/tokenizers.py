@@ -162,6 +162,9 @@ class HuggingFaceTokenizer(Tokenizer):
                                 f"({_first_line(e)})") from None
             self.vocab_size = len(self._hf)
             eod = self._hf.eos_token_id
+            if eod is None:  # a bare tokenizer.json names no eos token: the usual end-of-text tokens
+                vocab = self._hf.get_vocab()
+                eod = next((vocab[n] for n in EOD_NAMES if n in vocab), None)
         else:
             try:
                 from tokenizers import Tokenizer as FastTokenizer
@@ -178,7 +181,7 @@ class HuggingFaceTokenizer(Tokenizer):
                 raise DataError(f"{file} is not a valid tokenizer.json ({_first_line(e)})") from None
             self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
             eod = None
-            for name in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"):
+            for name in EOD_NAMES:
                 eod = self._fast.token_to_id(name)
                 if eod is not None:
                     break
@@ -234,6 +237,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _identity(self):
         return super()._identity() + [("path", os.path.abspath(self.path))]
+
+
+EOD_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")  # tried in order when none is named
 
 
 def damaged_tokenizer_json(folder: str) -> str | None:
