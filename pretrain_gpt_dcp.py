@@ -75,7 +75,7 @@ def train_valid_test_datasets_provider(args):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, eval_iters=args.eval_iters,
-        per_split=getattr(args, "per_split_data_path", None),
+        per_split=args.per_split_data_path,
     )
 
 
@@ -92,7 +92,7 @@ def document_datasets_provider(args):
     return build_document_datasets(
         data_prefixes(args), args.split, args.seed, args.dcp_max_seq_len,
         split_long_documents=args.dcp_split_long_documents, vocab_size=get_tokenizer().vocab_size,
-        tokenizer=get_tokenizer(), eval_iters=args.eval_iters, per_split=getattr(args, "per_split_data_path", None),
+        tokenizer=get_tokenizer(), eval_iters=args.eval_iters, per_split=args.per_split_data_path,
     )
 
 

@@ -355,7 +355,7 @@ def use_pretrained_checkpoint(args) -> None:
     """Upstream's `--pretrained-checkpoint DIR`: while `--load` holds no checkpoint (or is not
     given) the run starts from DIR's weights, as `--load DIR --finetune` (iteration 0, no
     optimizer or RNG state); once `--load` holds one, it resumes from that, as upstream."""
-    pretrained = getattr(args, "pretrained_checkpoint", None)
+    pretrained = args.pretrained_checkpoint
     if not pretrained or (args.load and _tracker_text(args.load) is not None):
         return
     if _tracker_text(pretrained) is None:

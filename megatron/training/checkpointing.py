@@ -124,10 +124,10 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         "model": model_sd,
         "content_metadata": dict(CONTENT_METADATA),  # as dist_checkpointing.save(content_metadata=...) stores it
     }
-    if not getattr(args, "no_save_optim", False):  # upstream: neither optimizer nor LR schedule
+    if not args.no_save_optim:  # upstream: neither optimizer nor LR schedule
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
-    if not getattr(args, "no_save_rng", False):
+    if not args.no_save_rng:
         state["rng_state"] = _rng_sharded_object()
     save_sharded_atomic(args.save, iteration, state)
 

@@ -45,10 +45,10 @@ def start_memory_report(args=None) -> PeakMemory:
 
 def budget_bytes(args) -> tuple[int, str] | None:
     """(bytes, how the line names it) from --dcp-device-memory or --dcp-device-memory-gb; None without."""
-    size = getattr(args, "dcp_device_memory", None)
+    size = args.dcp_device_memory
     if size is not None:
         return int(size), size_text(int(size))
-    gb = getattr(args, "dcp_device_memory_gb", None)
+    gb = args.dcp_device_memory_gb
     if gb is not None:
         return int(gb * 2**30), f"--dcp-device-memory-gb {gb:g}"
     return None

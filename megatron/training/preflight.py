@@ -34,18 +34,18 @@ def paths_to_check(args, rank: int, world_size: int) -> list[tuple[str, str, str
     """(flag, path, kind) this rank will write; kind: 'dir' (made if missing), 'file'
     (appended to; its folder must exist), 'cache' (a dir that may be a read-only prebuilt cache)."""
     out = []
-    if getattr(args, "save", None):
+    if args.save:
         out.append(("--save", args.save, "dir"))
     last = rank == world_size - 1
-    if getattr(args, "loss_log", None) and last:
+    if args.loss_log and last:
         out.append(("--loss-log", args.loss_log, "file"))
-    if getattr(args, "tensorboard_dir", None) and last:
+    if args.tensorboard_dir and last:
         out.append(("--tensorboard-dir", args.tensorboard_dir, "dir"))
-    if getattr(args, "dcp_log_plan", None) and rank == 0:
+    if args.dcp_log_plan and rank == 0:
         out.append(("--dcp-log-plan", args.dcp_log_plan, "file"))
     # the static data path caches its sample index there; --dcp only for the demo corpus
-    cached = not getattr(args, "dcp", False) or getattr(args, "demo_corpus", False)
-    if getattr(args, "data_cache_path", None) and cached:
+    cached = not args.dcp or args.demo_corpus
+    if args.data_cache_path and cached:
         out.append(("--data-cache-path", args.data_cache_path, "cache"))
     return out
 

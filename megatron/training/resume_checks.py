@@ -57,7 +57,7 @@ def check_model_args(saved, args, path: str) -> None:
     if saved is None:
         return
     pairs = list(MODEL_FLAGS)
-    if getattr(args, "position_embedding_type", None) == "learned_absolute":
+    if args.position_embedding_type == "learned_absolute":
         pairs.append(LEARNED_POSITIONS)
     for name, flag in pairs:
         theirs, ours = getattr(saved, name, _MISSING), getattr(args, name, _MISSING)
@@ -128,8 +128,8 @@ class ScheduleChoice:
 def reconcile_lr_schedule(args, scheduler, saved_state: dict, path: str) -> ScheduleChoice:
     """Set `scheduler` up to load `saved_state` by upstream's rule (module docstring); call
     before the optimizer loads. Raises CheckpointError where upstream would refuse."""
-    override = bool(getattr(args, "override_opt_param_scheduler", False))
-    keep = bool(getattr(args, "use_checkpoint_opt_param_scheduler", False))
+    override = bool(args.override_opt_param_scheduler)
+    keep = bool(args.use_checkpoint_opt_param_scheduler)
     scheduler.override_opt_param_scheduler = override
     scheduler.use_checkpoint_opt_param_scheduler = keep
     diffs = _schedule_differences(scheduler.state_dict(), saved_state)

@@ -165,7 +165,7 @@ def interrupted_message(args=None) -> str:
     """What a SIGINT (Ctrl-C) stopped, and where the run can resume."""
     from megatron.training.checkpoint_protocol import TRACKER
 
-    save = getattr(args, "save", None)
+    save = args.save if args is not None else None
     if not save:
         return "interrupted (SIGINT, Ctrl-C): the run stopped; it saved nothing (no --save)"
     try:

@@ -28,7 +28,7 @@ from megatron.training.run_config import AdaptiveRunConfig
 from dcp_ext.planning.planners.common import describe as describe_mix
 
 
-def cluster_for(world_size: int, args=None):
+def cluster_for(world_size: int, args):
     """The cluster this job runs on: on a GPU, its memory from torch's device properties and
     its peak from the table of known kinds (dcp_ext/planning/gpu_table.py) or --dcp-device-tflops /
     --dcp-device-memory(-gb); an unknown GPU without them is one error line, never the CPU
@@ -37,9 +37,7 @@ def cluster_for(world_size: int, args=None):
     from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
     from dcp_ext.planning.specs import GiB, ClusterSpec
 
-    tflops = getattr(args, "dcp_device_tflops", None)
-    memory_gb = getattr(args, "dcp_device_memory_gb", None)
-    budget = getattr(args, "dcp_device_memory", None)
+    tflops, memory_gb, budget = args.dcp_device_tflops, args.dcp_device_memory_gb, args.dcp_device_memory
     if budget is not None:
         memory_gb = budget / GiB
     if not torch.cuda.is_available():

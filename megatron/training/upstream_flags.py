@@ -218,7 +218,7 @@ def check_upstream_flags(args: argparse.Namespace) -> None:
 
 def accepted_line(args: argparse.Namespace) -> Optional[str]:
     """The one line printed at start (rank 0) naming the flags accepted without effect, or None."""
-    accepted = getattr(args, "accepted_without_effect", None)
+    accepted = args.accepted_without_effect
     if not accepted:
         return None
     return "accepted without effect here: " + ", ".join(f"{flag} ({reason})" for flag, reason in accepted)
