@@ -36,6 +36,8 @@ def model_provider(config, pre_process: bool = True, post_process: bool = True, 
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         use_te=use_te,
         cpu_attention=args.dcp_cpu_attention,
     )

@@ -15,7 +15,8 @@ A tiny random Llama (2 layers, hidden 64, 4 heads in 2 query groups, untied, RoP
   computes, since the other path's logits are the Hugging Face ones;
 - exported without training, the safetensors equal the original bit for bit and
   `transformers` loads them with the same logits; a Qwen2-style (QKV bias) and a tied
-  model round-trip too, and the Qwen2 one trains on both paths with HF's logits;
+  model round-trip too, and the Qwen2 one trains on both paths with HF's logits, as does a
+  Llama 3.2-style RoPE scaling (megatron-core's --use-rope-scaling);
 - what the GPT model cannot express is one `error:` line (the table at the end).
 """
 import json
@@ -31,6 +32,8 @@ TOOL = "tools/checkpoint_hf.py"
 ENTRY = os.path.join(REPO, "tests", "hf_logits_entry.py")
 VOCAB = 256  # the byte corpus: 255 values + EOD, NullTokenizer --vocab-size 255
 TOL = 1e-5
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.2's
 
 
 def tiny_config(kind: str = "llama", **overrides) -> dict:
@@ -364,14 +367,31 @@ def test_qwen2_qkv_bias_trains_with_hugging_faces_logits(path, qwen2, text_corpu
     assert first_loss(qwen2, path) == pytest.approx(hf_loss(dump, hf), abs=TOL)
 
 
+@pytest.mark.dist
+def test_llama3_rope_scaling_imports_trains_and_exports(tmp_path, text_corpus):
+    hf_dir = save_tiny(str(tmp_path / "llama3"), seed=7, rope_theta=None, rope_parameters=LLAMA3_ROPE,
+                       max_position_embeddings=16384)
+    r = run_tool(TOOL, ["import", "--hf", hf_dir, "--save", str(tmp_path / "ckpt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = types.SimpleNamespace(root=tmp_path, flags=open(tmp_path / "ckpt" / "hf_model_args.txt").read().split())
+    assert "--use-rope-scaling --rope-scaling-factor 32.0 " in " ".join(run.flags) + " "
+    dump = run_dumped(run, 1, run_flags(run, text_corpus, "llama3"), "llama3")
+    assert max_logit_difference(dump, hf_model(hf_dir)) < TOL  # unscaled, the logits are ~0.1 off
+    out = export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert json.load(open(os.path.join(out, "config.json")))["rope_parameters"] == LLAMA3_ROPE
+    assert_same_tensors(tensors_of(hf_dir), tensors_of(out))
+
+
 # ------------------------------------------------------------------ refusals
 REFUSALS = [  # (id, config.json changes, the error line's substring)
     ("unknown-model-type", {"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ("activation", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("sliding-window", {"model_type": "mistral", "sliding_window": 64}, "sliding-window attention is active"),
     ("qwen2-sliding-window", {"model_type": "qwen2", "use_sliding_window": True}, "sliding-window attention"),
-    ("llama3-rope-scaling", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}},
-     "RoPE scaling 'llama3' is not wired"),
+    ("yarn-rope-scaling", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}},
+     "RoPE scaling 'yarn' is not supported"),
+    ("llama3-rope-other-window", {"rope_parameters": dict(LLAMA3_ROPE, original_max_position_embeddings=4096)},
+     "megatron-core's --use-rope-scaling fixes"),
     ("attention-bias", {"attention_bias": True}, "attention_bias is true"),
     ("partial-rotary", {"partial_rotary_factor": 0.5}, "partial RoPE"),
     ("missing-field", {"num_hidden_layers": None}, "num_hidden_layers"),

@@ -27,8 +27,9 @@ transformer-engine's names `linear_qkv.layer_norm_weight` / `linear_fc1.layer_no
 The vocabulary is padded with zero rows as Megatron pads it (--make-vocab-size-divisible-by).
 
 What GPTModel here cannot express is refused in one `error:` line naming it (an unknown
-model_type, an activation other than SiLU, active sliding-window attention, RoPE scaling,
-partial rotary, biases beyond the QKV bias), through the console tools' error boundary.
+model_type, an activation other than SiLU, active sliding-window attention, RoPE scaling
+other than Llama 3.1's (megatron-core's --use-rope-scaling), partial rotary, biases beyond
+Qwen2's QKV bias), through the console tools' error boundary.
 """
 from __future__ import annotations
 
@@ -75,14 +76,35 @@ class Shape:
     max_positions: int
     tied: bool
     qkv_bias: bool
+    rope_scaling: float | None = None  # Llama 3.1's frequency scaling factor, if any
+
+
+# megatron-core's Llama 3.1 RoPE scaling fixes these; only its factor is a flag (--rope-scaling-factor)
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _rope(cfg: dict) -> tuple[float, str, dict]:
+    """(rope_theta, rope type, its parameters): transformers 5's `rope_parameters` or the older
+    top-level `rope_theta` and `rope_scaling`."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
-    return float(theta), kind, scaling or params
+    return float(theta), kind, dict(params, **scaling)
+
+
+def _rope_scaling(kind: str, params: dict, where: str) -> float | None:
+    """The --rope-scaling-factor of a llama3-scaled RoPE (None: unscaled); other kinds refused."""
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise HFError(f"{where}: RoPE scaling {kind!r} is not supported by this fork's GPT model (only Llama 3.1's "
+                      "'llama3'); convert a model without it")
+    fixed = {k: params.get(k) for k in LLAMA3_FIXED}
+    if any(v is None or float(v) != float(LLAMA3_FIXED[k]) for k, v in fixed.items()):
+        raise HFError(f"{where}: llama3 RoPE scaling with {fixed}: megatron-core's --use-rope-scaling fixes "
+                      f"{LLAMA3_FIXED}; only the factor may differ")
+    return float(params.get("factor", 8.0))
 
 
 def shape_from_config(cfg: dict, where: str) -> Shape:
@@ -103,10 +125,8 @@ def _shape(cfg: dict, where: str) -> Shape:
     if act != "silu":
         raise HFError(f"{where}: hidden_act {act!r}: the GPT model here has SwiGLU (silu) only; no fix but another "
                       "model")
-    theta, rope_kind, _ = _rope(cfg)
-    if rope_kind != "default":
-        raise HFError(f"{where}: RoPE scaling {rope_kind!r} is not wired into this fork's GPT model (--use-rope-scaling "
-                      "is refused); convert a model without rope_scaling")
+    theta, rope_kind, rope_params = _rope(cfg)
+    rope_scaling = _rope_scaling(rope_kind, rope_params, where)
     if theta != int(theta):
         raise HFError(f"{where}: rope_theta {theta} is not an integer (--rotary-base takes one)")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -127,7 +147,8 @@ def _shape(cfg: dict, where: str) -> Shape:
                  ffn=int(cfg["intermediate_size"]), heads=heads, groups=groups, head_dim=head_dim,
                  vocab=int(cfg["vocab_size"]), eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_base=int(theta),
                  max_positions=int(cfg.get("max_position_embeddings", 4096)),
-                 tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+                 tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
+                 rope_scaling=rope_scaling)
 
 
 def _refuse_sliding_window(cfg: dict, where: str) -> None:
@@ -152,8 +173,10 @@ def megatron_flags(shape: Shape) -> list[str]:
     if shape.head_dim * shape.heads != shape.hidden:
         flags += ["--kv-channels", str(shape.head_dim)]
     flags += ["--max-position-embeddings", str(shape.max_positions), "--position-embedding-type", "rope",
-              "--rotary-base", str(shape.rope_base), "--normalization", "RMSNorm", "--norm-epsilon", repr(shape.eps),
-              "--swiglu", "--disable-bias-linear"]
+              "--rotary-base", str(shape.rope_base)]
+    if shape.rope_scaling is not None:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(shape.rope_scaling)]
+    flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(shape.eps), "--swiglu", "--disable-bias-linear"]
     if shape.qkv_bias:
         flags.append("--add-qkv-bias")
     if not shape.tied:
@@ -491,7 +514,8 @@ def shape_from_args(saved: argparse.Namespace, where: str) -> Shape:
                  groups=int(get("num_query_groups") or heads), head_dim=int(get("kv_channels") or hidden // heads),
                  vocab=0, eps=float(get("norm_epsilon", 1e-5)), rope_base=int(get("rotary_base", 10000)),
                  max_positions=int(get("max_position_embeddings") or get("seq_length") or 4096),
-                 tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")))
+                 tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
+                 rope_scaling=float(get("rope_scaling_factor", 8.0)) if get("use_rope_scaling") else None)
 
 
 def find_base(load: str, saved) -> str | None:
@@ -566,6 +590,8 @@ def hf_config(shape: Shape, base: dict | None, dtype: str) -> dict:
     if cfg["model_type"] != "qwen2":
         cfg.update({"attention_bias": False, "mlp_bias": False})
     rope = {"rope_type": "default", "rope_theta": float(shape.rope_base)}
+    if shape.rope_scaling is not None:
+        rope.update(LLAMA3_FIXED, rope_type="llama3", factor=shape.rope_scaling)
     cfg.pop("rope_scaling", None)
     cfg["rope_theta"] = float(shape.rope_base)
     cfg["rope_parameters"] = rope

@@ -35,6 +35,10 @@ def add_model_flags(parser) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true", help="zero-centred norm weights (1 + gamma)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims rotated by RoPE")
     g.add_argument("--qk-layernorm", action="store_true", help="normalise queries and keys per head")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's RoPE frequency scaling (low/high frequency factors 1 and 4, 8192 original "
+                        "positions), by --rope-scaling-factor")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias on the query/key/value projection only (Qwen2), with --disable-bias-linear")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")

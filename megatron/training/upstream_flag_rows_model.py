@@ -223,8 +223,6 @@ MODEL_ROWS = [
     ('--relative-attention-num-buckets', 'value', 'int', '', 32, (), 'model'),
     ('--relative-attention-max-distance', 'value', 'int', '', 128, (), 'model'),
     ('--rotary-seq-len-interpolation-factor', 'value', 'int', '', None, (), 'model'),
-    ('--use-rope-scaling', 'store_true', '', '', False, (), 'model'),
-    ('--rope-scaling-factor', 'value', 'float', '', 8.0, (), 'model'),
     ('--no-rope-freq', 'value', '', '', None, (), 'model'),
     ('--no-position-embedding', 'store_false', '', '', True, (), 'use_pe_none'),
     ('--openai-gelu', 'store_true', '', '', False, (), 'model'),

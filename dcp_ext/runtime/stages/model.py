@@ -139,6 +139,8 @@ def build_gpt_model(
     use_te: Optional[bool] = None,
     rotary_percent: float = 1.0,
     cpu_attention: str = "math",
+    rope_scaling: bool = False,
+    rope_scaling_factor: float = 8.0,
 ):
     from megatron.core.models.gpt import GPTModel
 
@@ -160,5 +162,7 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
         rotary_percent=rotary_percent,
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
         pg_collection=pg_collection,
     )
