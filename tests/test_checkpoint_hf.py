@@ -427,6 +427,21 @@ def test_what_the_gpt_model_cannot_express_is_one_line(name, changes, needle, pl
     assert not os.path.exists(root / f"{name}_out")
 
 
+@pytest.mark.parametrize("change,needle", [({"normalization": "LayerNorm"}, "--normalization is not RMSNorm"),
+                                           ({"swiglu": False}, "--swiglu is off"),
+                                           ({"qk_layernorm": True}, "--qk-layernorm is on")])
+def test_export_refuses_what_a_llama_cannot_hold(change, needle):
+    import argparse
+
+    from tools.checkpoint_hf import HFError, shape_from_args
+
+    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+                 num_attention_heads=4, hidden_size=64, num_layers=2, ffn_hidden_size=128, num_query_groups=2)
+    assert shape_from_args(argparse.Namespace(**llama), "ckpt").groups == 2
+    with pytest.raises(HFError, match=needle):
+        shape_from_args(argparse.Namespace(**dict(llama, **change)), "ckpt")
+
+
 def test_bad_paths_are_one_line(tmp_path, capsys):
     r = call_tool(["import", "--hf", str(tmp_path / "nowhere"), "--save", str(tmp_path / "out")], capsys)
     assert_one_line_error(r, "no such directory")

@@ -497,16 +497,18 @@ def shape_from_args(saved: argparse.Namespace, where: str) -> Shape:
     """The Shape of a checkpoint trained here, from its stored flags; one line for what a
     Llama-family model cannot hold."""
     get = lambda name, default=None: getattr(saved, name, default)  # noqa: E731
-    problems = [("--normalization RMSNorm", get("normalization") == "RMSNorm"), ("--swiglu", bool(get("swiglu"))),
-                ("--position-embedding-type rope", get("position_embedding_type") == "rope"),
-                ("--disable-bias-linear", bool(get("disable_bias_linear"))),
-                ("no --qk-layernorm", not get("qk_layernorm")), ("no --apply-layernorm-1p", not get("apply_layernorm_1p")),
-                ("--rotary-percent 1.0", float(get("rotary_percent", 1.0)) == 1.0),
-                ("no --rotary-interleaved", not get("rotary_interleaved"))]
-    missing = [flag for flag, ok in problems if not ok]
-    if missing:
-        raise HFError(f"{where}: not a Llama-architecture model: it was trained without {missing[0]}; only such "
-                      "models export to Hugging Face")
+    differences = [("--normalization is not RMSNorm", get("normalization") != "RMSNorm"),
+                   ("--swiglu is off", not get("swiglu")),
+                   ("--position-embedding-type is not rope", get("position_embedding_type") != "rope"),
+                   ("--disable-bias-linear is off", not get("disable_bias_linear")),
+                   ("--qk-layernorm is on", bool(get("qk_layernorm"))),
+                   ("--apply-layernorm-1p is on", bool(get("apply_layernorm_1p"))),
+                   ("--rotary-percent is not 1", float(get("rotary_percent", 1.0)) != 1.0),
+                   ("--rotary-interleaved is on", bool(get("rotary_interleaved")))]
+    found = [what for what, differs in differences if differs]
+    if found:
+        raise HFError(f"{where}: only Llama-architecture models export to Hugging Face, and this one's "
+                      f"{found[0]}")
     heads = int(get("num_attention_heads"))
     hidden = int(get("hidden_size"))
     return Shape(model_type="qwen2" if get("add_qkv_bias") else "llama", layers=int(get("num_layers")),
