@@ -38,6 +38,8 @@ MODEL_FLAGS = (
     ("apply_layernorm_1p", "--apply-layernorm-1p"),
     ("rotary_percent", "--rotary-percent"),
     ("rotary_interleaved", "--rotary-interleaved"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
 )
 # learned position embeddings are a tensor of --max-position-embeddings rows
 LEARNED_POSITIONS = ("max_position_embeddings", "--max-position-embeddings")
