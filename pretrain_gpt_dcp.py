@@ -19,7 +19,7 @@ DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples
 
 def model_provider(config, pre_process: bool = True, post_process: bool = True, pg_collection=None):
     """megatron-core GPTModel for one pipeline stage (TE layers on GPUs, ours on CPUs)."""
-    from dcp_ext.runtime.model import build_gpt_model
+    from dcp_ext.runtime.stages.model import build_gpt_model
     from megatron.training.global_vars import get_args
     from megatron.training.model_flags import Machine, uses_transformer_engine
 
