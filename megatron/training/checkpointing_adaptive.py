@@ -63,7 +63,7 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
     refuse_nonfinite([engine.optimizer.master()], iteration, args.save)
     avg, avg_sq, step = engine.optimizer.moments()
     shards = {"param": engine.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
-    kinds = ("param",) if getattr(args, "no_save_optim", False) else KINDS  # weights only
+    kinds = ("param",) if args.no_save_optim else KINDS  # weights only
     state = {}
     # tensor by tensor onto the rank that owns its first element: no rank ever holds the
     # whole model (a 7B model's master and moments are 84 GB)
@@ -107,7 +107,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
         raise ckpt.CheckpointError(
             f"{path}: its vocabulary is padded to {saved_rows} rows, this run's to {args.padded_vocab_size} "
             f"(--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}, vocabulary "
-            f"{getattr(args, 'vocab_size', None) or '?'}): resume with the flags it was trained with")
+            f"{args.vocab_size or '?'}): resume with the flags it was trained with")
     saved = {name: tuple(shape) for name, shape in common["canonical"]}
     ours = {t.name: t.shape for t in engine.space.tensors.values()}
     if saved != ours:

@@ -33,7 +33,7 @@ class TrainingLogger:
         self.consumed_samples = 0
         self.last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
         self.wandb = None
-        if getattr(args, "wandb_project", None) and self.last_rank:
+        if args.wandb_project and self.last_rank:
             import wandb  # validate_args checked it imports; LoopFeatures opened the run
 
             self.wandb = wandb

@@ -86,7 +86,7 @@ def _imports(name: str) -> bool:
 
 
 def _requested_backend(args) -> str:
-    if getattr(args, "use_flash_attn", False) and args.attention_backend == "auto":
+    if args.use_flash_attn and args.attention_backend == "auto":
         return "flash"
     return args.attention_backend
 
