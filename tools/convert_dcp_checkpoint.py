@@ -57,16 +57,6 @@ if REPO not in sys.path:
 
 DCP_FORMAT = "dcp-fixed-sharding/v1"
 EXPORT_FORMAT = "megatron-weights-from-dcp/v1"
-# Canonical names of a run built with transformer-engine layers (norm fused into the next
-# linear) -> the local spec's names, which this tool builds on the CPU. Same shapes.
-TE_TO_LOCAL = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
-)
-
-
 class ConversionError(RuntimeError):
     """A checkpoint or request this tool cannot convert; the message is one line."""
 
@@ -168,7 +158,7 @@ def load_common(path: str) -> dict:
 def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     """Megatron flags for the static model at (T, P): checkpoint args < --yaml-cfg < command line."""
     from megatron.training.argument_yaml import dest_names as _dest_names
-    from megatron.training.arguments import build_parser, fill_derived, parse_flags, validate_args
+    from megatron.training.arguments import ArgumentError, build_parser, fill_derived, parse_flags, validate_args
 
     parser = build_parser()
     dests = _dest_names(parser)
@@ -236,28 +226,7 @@ def divisible_by_for(padded: int, tp: int, trained: int, vocab: int | None) -> i
     return padded // tp
 
 
-def canonical_name_in_checkpoint(local: str, saved: set[str]) -> str:
-    if local in saved:
-        return local
-    for te, loc in TE_TO_LOCAL:
-        if local.endswith(loc) and local[: -len(loc)] + te in saved:
-            return local[: -len(loc)] + te
-    return local
-
-
 # -------------------------------------------------------------------------- ranks
-class _ShapesOnly:
-    """A stand-in 'full model' for CanonicalSpace: the checkpoint's names and shapes, in order."""
-
-    def __init__(self, named_shapes):
-        import torch
-
-        self._params = [(n, torch.empty(s, device="meta")) for n, s in named_shapes]
-
-    def named_parameters(self):
-        return iter(self._params)
-
-
 def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     """Collective over the T*P ranks: build this rank's stage, fill it, save the export."""
     import torch
@@ -268,12 +237,13 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
     from megatron.training import checkpoint_protocol as ckpt
     from megatron.training import global_vars
+    from megatron.training.checkpointing_adaptive import ShapesOnly, local_name
     from megatron.training.training import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
     rank, tp, pp = dist.get_rank(), args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     saved_names = [name for name, _ in common["canonical"]]
-    saved_set = set(saved_names)
+    stored = {local_name(n): n for n in saved_names}  # a TE run's norm names, keyed by the local spec's
     error = None
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -283,7 +253,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
         model = model_provider(config, pre_process=parallel_state.is_pipeline_first_stage(),
                                post_process=parallel_state.is_pipeline_last_stage())
         # canonical space in the names this (local-spec) model uses
-        space = CanonicalSpace(_ShapesOnly([(_to_local(n), s) for n, s in common["canonical"]]))
+        space = CanonicalSpace(ShapesOnly([(local_name(n), s) for n, s in common["canonical"]]))
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         try:
             local = map_stage(model, space, tp, tp_rank, bool(config.gated_linear_unit))
@@ -320,13 +290,13 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     needed = sorted({t.name for _, t, _ in plan})
     request = {}
     for name in needed:
-        key = "dcp.param." + canonical_name_in_checkpoint(name, saved_set)
+        key = "dcp.param." + stored.get(name, name)
         request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(space.tensors[name].shape), replica_id=rank)
     # each rank reads only the canonical tensors its stage needs (no rank is the main replica)
     state = dist_checkpointing.load(request, path, validate_access_integrity=False)
     with torch.no_grad():
         for lp, t, rel in plan:
-            value = state["dcp.param." + canonical_name_in_checkpoint(t.name, saved_set)].reshape(-1)[rel]
+            value = state["dcp.param." + stored.get(t.name, t.name)].reshape(-1)[rel]
             lp.param.data.copy_(value.to(lp.param.dtype))
     out = {
         "args": ckpt.common_args(args),
@@ -337,13 +307,6 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
         "model": model.sharded_state_dict(),
     }
     ckpt.save_sharded_atomic(args.save, iteration, out)
-
-
-def _to_local(name: str) -> str:
-    for te, loc in TE_TO_LOCAL:
-        if name.endswith(te):
-            return name[: -len(te)] + loc
-    return name
 
 
 def _quiet() -> None:

@@ -104,13 +104,15 @@ class AdaptiveEngine:
                        eod: int | None = None) -> tuple[float, float]:
         """Forward only under the plan's layout on a document dataset: (loss sum, loss tokens)."""
         local = self.local_plan(it)
-        return self.evaluate(it, local.fetch(dataset, eod_mask_loss, eod))
+        return self._evaluate(local, local.fetch(dataset, eod_mask_loss, eod))
 
     def evaluate(self, it: IterationPlan, batches: list) -> tuple[float, float]:
         """Forward only on micro-batches packed by the caller: (loss sum, loss tokens)."""
-        local = self.local_plan(it)
+        return self._evaluate(self.local_plan(it), batches)
+
+    def _evaluate(self, local: LocalPlan, batches: list) -> tuple[float, float]:
         micro_batches = local.localize(batches, self.device)
-        seed_rng_tracker(self.options.init_seed, it.index, local.coords[0])
+        seed_rng_tracker(self.options.init_seed, local.it.index, local.coords[0])
         pull = self._begin_pull(local)[0]
         with self.bank.streaming(pull):
             loss_sum, tokens = local.stage.runner.evaluate(micro_batches, pull)

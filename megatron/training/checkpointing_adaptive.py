@@ -258,8 +258,9 @@ def local_name(name: str) -> str:
     return m.group(1) + m.group(2) + "." + rest
 
 
-class _Shapes(torch.nn.Module):
-    """Names and shapes only (meta tensors): the canonical space of a --dcp checkpoint."""
+class ShapesOnly(torch.nn.Module):
+    """Names and shapes only (meta tensors): the canonical space of a --dcp checkpoint, as the
+    full model `param_map.CanonicalSpace` reads."""
 
     def __init__(self, named_shapes):
         super().__init__()
@@ -281,7 +282,7 @@ def load_dcp_weights(args, model, path: str, common: dict) -> None:
 
     check_model_args(common.get("args"), args, path)
     stored = {local_name(n): n for n, _ in common["canonical"]}
-    space = CanonicalSpace(_Shapes([(local_name(n), s) for n, s in common["canonical"]]))
+    space = CanonicalSpace(ShapesOnly([(local_name(n), s) for n, s in common["canonical"]]))
     tp, tp_rank = args.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
     rows = space.tensors.get("embedding.word_embeddings.weight")
     if rows is not None and rows.shape[0] != args.padded_vocab_size:

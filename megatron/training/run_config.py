@@ -47,12 +47,10 @@ class AdaptiveRunConfig:
     overlap_note: str | None = None  # said once at start when the overlap flags are set aside
 
     @classmethod
-    def from_args(cls, args, on_cpu: bool, vocab_size: int | None = None, device: str | None = None):
-        """vocab_size: the padded vocabulary (`args.padded_vocab_size` when None)."""
+    def from_args(cls, args, on_cpu: bool, device: str | None = None):
+        """device: the engine's (None: this process's CUDA device, else the CPU; 'meta')."""
         overlap, note = overlap_for(args, on_cpu)
         spec = ModelSpec.from_megatron_args(args)
-        if vocab_size is not None:
-            spec = spec.with_(vocab_size=vocab_size)
         # one bucket size for both: the flag's, else the sharding's rule on the model's size
         bucket = bucket_numel_for(spec.num_params, args.ddp_bucket_size or 0)
         spec = spec.with_(bucket_numel=bucket, exchange_slots=2 if overlap else 1)
