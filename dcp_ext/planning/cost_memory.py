@@ -10,9 +10,10 @@ the micro-batches 1F1B keeps in flight (stage 0 holds a window of pp), and the t
 output-layer logits. Recompute is counted in layers per stage (`rs`); the plan's
 `recompute_layers` is the model-wide count, rs * pp.
 
-On the CPU the attention's probabilities make activations quadratic in document lengths
-(`quadratic`): there a micro-batch is checked by its padded documents (`padded_lengths`,
-`micro_batch_bytes`, `fits_in_flight`, `max_doc_length`), not by its token count alone.
+With the local layers' math attention (CPU ranks, GPUs without transformer-engine) the
+probabilities make activations quadratic in document lengths (`quadratic`): there a
+micro-batch is checked by its padded documents (`padded_lengths`, `micro_batch_bytes`,
+`fits_in_flight`, `max_doc_length`), not by its token count alone.
 """
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ class MemoryAccounting:
 
         Measured exactly on the CPU by `benchmarks/bench_activation_memory.py` (TP1, TP2 with
         sequence parallel, CP2, PP2; with and without full recompute; packed and single
-        documents): within a few percent. The GPU terms that differ (TE attention, TE norms,
-        fused SwiGLU and RoPE) follow TE's and megatron-core's code, not a measurement.
+        documents): within a few percent. The terms of TE layers (TE attention, TE norms) and
+        of the fused SwiGLU and RoPE follow TE's and megatron-core's code, not a measurement.
 
         Notation: e activation bytes, h hidden, f ffn, kv key/value width, d head dim,
         t = tp, sp = t when the sequence is split over TP (sequence parallel), else 1."""
@@ -136,16 +137,22 @@ class MemoryAccounting:
         e = m.activation_bytes
         h, f, kv, d, heads = m.hidden_size, m.ffn_hidden_size, m.kv_size, m.head_dim, m.num_attention_heads
         sp = t if (t == 1 or m.sequence_parallel) else 1
-        # The CPU backend (no transformer-engine): dcp_ext.runtime.stages.model.layer_spec puts megatron-core's
-        # local spec together with dcp_ext.runtime.stages.attention's core attention and torch norms, and runs
-        # what transformer_config_from_args configures: no bias-activation fusion, no RoPE
-        # fusion. The GPU terms assume upstream Megatron's GPU settings instead: TE layers,
-        # fused bias-SwiGLU (--bias-swiglu-fusion) and fused RoPE.
-        # transformer_config_from_args (megatron/training/model_flags.py) turns the fusions on
-        # on CUDA as upstream does; a GPU run with --no-bias-swiglu-fusion / --no-rope-fusion
-        # keeps the CPU's unfused `mlp` (+2f/t) and `rope` (+4d) terms below as well.
-        cpu = self.cluster.gpu.name.startswith("cpu")
-        unfused = cpu
+        # Which kernels the layers run: what the engine builds, as megatron/training/run_config.py
+        # records it in the ModelSpec (model_flags.uses_transformer_engine and config_fields):
+        # - layer_kernels "local" (no transformer-engine: CPU ranks, and GPUs without TE or with
+        #   --transformer-impl local / --attention-backend local): dcp_ext.runtime.stages.model's
+        #   layer_spec puts megatron-core's local spec together with torch norms and the core
+        #   attention of dcp_ext.runtime.stages.attention (--dcp-cpu-attention math|flash,
+        #   `cpu_attention`); "te": TE layers (TE attention, norms fused into the GEMMs);
+        # - fused_swiglu: bias-SwiGLU fused (on CUDA unless --no-bias-swiglu-fusion, either kind
+        #   of layers); fused_rope: TE's fused RoPE (TE layers only, unless --no-rope-fusion).
+        # Unset (a preset, a plan file of before), by the cluster as before: TE layers with both
+        # fusions on GPU clusters, local and unfused on CPU ones (an unset fused_rope follows the
+        # layers: TE's, so local layers on a GPU cluster keep the unfused RoPE).
+        on_cpu = self.cluster.gpu.name.startswith("cpu")
+        local = m.layer_kernels == "local" if m.layer_kernels is not None else on_cpu
+        fused_swiglu = m.fused_swiglu if m.fused_swiglu is not None else not on_cpu
+        fused_rope = m.fused_rope if m.fused_rope is not None else not local
 
         # ---- every layer, both backends
         # the layer input and the mid-layer residual (outputs of the residual adds): saved as
@@ -157,39 +164,40 @@ class MemoryAccounting:
         # RoPE, unfused (megatron-core's _apply_rotary_pos_emb_bshd): cos and sin [rows, 1, 1,
         # d] saved by the two products, once for q and once for k; every row of the (gathered)
         # sequence, shared by the heads, so not divided by tp. Fused RoPE keeps none per row.
-        rope = 4.0 * d * e if unfused else 0.0
+        rope = 0.0 if fused_rope else 4.0 * d * e
         # MLP. Unfused gated unit (megatron-core's MLP.glu): fc1's output (2f, saved through
         # the x_glu view by silu), silu(x_glu) and x_linear + glu_linear_offset (a copy; both
         # saved by their product), the product (fc2's input): 5f. Fused bias-SwiGLU keeps
         # fc1's output and the product: 3f. GELU: fc1's output and gelu's: 2f.
         if m.swiglu:
-            mlp = (5.0 if unfused else 3.0) * f * e / t
+            mlp = (3.0 if fused_swiglu else 5.0) * f * e / t
         else:
             mlp = 2.0 * f * e / t
         # dropout masks (1 byte) after attention and after the MLP
         drop = 2.0 * h / sp if m.hidden_dropout else 0.0
-        flash = cpu and m.cpu_attention == "flash"
+        flash = local and m.cpu_attention == "flash"
         if flash:
-            # dcp_ext.runtime.stages.attention with --dcp-cpu-attention flash: SDPA on 4-D tensors runs
-            # torch's CPU flash kernel, which keeps its inputs as given, its output and fp32
-            # log-sum-exp (heads/t values), measured by bench_activation_memory.py --cpu-attention
-            # flash. Without CP: q and k after RoPE (h/t, kv/t), v's view keeps linear_qkv's
-            # whole output (h + 2kv)/t (GQA runs in the kernel: nothing expanded). With CP the
-            # whole document's keys and values, gathered and reordered (kv*cp/t each), and q.
-            # Then the concatenated output (linear_proj's input, h/t). The float mask CP needs
-            # is quadratic (`pair`); no probabilities.
+            # dcp_ext.runtime.stages.attention with --dcp-cpu-attention flash: SDPA on 4-D tensors
+            # runs torch's flash kernel (the CPU's; CUDA's on a GPU), which keeps its inputs as
+            # given, its output and fp32 log-sum-exp (heads/t values), measured on the CPU by
+            # bench_activation_memory.py --cpu-attention flash. Without CP: q and k after RoPE
+            # (h/t, kv/t), v's view keeps linear_qkv's whole output (h + 2kv)/t (GQA runs in the
+            # kernel: nothing expanded). With CP the whole document's keys and values, gathered
+            # and reordered (kv*cp/t each), and q. Then the concatenated output (linear_proj's
+            # input, h/t). The float mask CP needs is quadratic (`pair`); no probabilities.
             qkv = (h + kv + (h + 2.0 * kv)) if cp == 1 else (h + 2.0 * kv * cp)
             attn = (qkv + h + h) * e / t + heads / t * 4.0
             norm_extra = 2.0 * (h + 1.0) * e / sp
-        elif cpu:
-            # dcp_ext.runtime.stages.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math path (not
-            # the CPU flash kernel). It keeps q*scale (h/t), the GQA-expanded k*scale and v of
-            # the whole document (h/t each per key row: a CP rank all-gathers keys and values,
-            # so cp key rows per local query row) and the concatenated output (linear_proj's
-            # input, h/t); plus the softmax probabilities, heads/t values per (query, key) pair
-            # of a document: quadratic in the document lengths (`pair`, act_bytes_per_token).
-            # Without GQA and CP, v is never copied: its view keeps linear_qkv's whole output
-            # (h + 2kv) instead. Nothing else of q, k, v survives the forward.
+        elif local:
+            # dcp_ext.runtime.stages.attention: SDPA on 3-D [heads, s, d] tensors runs torch's math
+            # path (the flash kernels take 4-D tensors, on the CPU and on CUDA). It keeps q*scale
+            # (h/t), the GQA-expanded k*scale and v of the whole document (h/t each per key row:
+            # a CP rank all-gathers keys and values, so cp key rows per local query row) and the
+            # concatenated output (linear_proj's input, h/t); plus the softmax probabilities,
+            # heads/t values per (query, key) pair of a document: quadratic in the document
+            # lengths (`pair`, act_bytes_per_token). Without GQA and CP, v is never copied: its
+            # view keeps linear_qkv's whole output (h + 2kv) instead. Nothing else of q, k, v
+            # survives the forward.
             v = (h + 2.0 * kv) if (kv == h and cp == 1) else h * cp
             attn = (h + h * cp + v + h) * e / t
             # torch.nn.RMSNorm decomposes into aten ops that also keep the normalized input
@@ -214,24 +222,24 @@ class MemoryAccounting:
         ws = h * e if (t > 1 and sp > 1) else 0.0
         # a layer's backward on top of what it keeps peaks in its MLP: the incoming gradient
         # (h/sp) and the two gradients of the gated product (f each; fc2's saved input is freed
-        # by then), or gelu's input gradient and fc1's output gradient. (On the CPU, long
-        # documents move the peak into the attention: see act_bytes_per_token.)
+        # by then), or gelu's input gradient and fc1's output gradient. (With the math attention,
+        # long documents move the peak into the attention: see act_bytes_per_token.)
         work = 2.0 * f * e / t + h * e / sp
-        # last stage: the final norm's output (the output layer's input) and, on the CPU, the
-        # norm's normalized copy and rsqrt; the fused native cross entropy converts the logits
-        # to fp32 and keeps exp/softmax in that buffer (4 bytes per vocabulary entry); its
-        # int64/bool target masks (9 bytes per row) are left out
-        last_keep = h * e / sp + ((h + 1.0) * e / sp if cpu else 0.0) + m.vocab_size / t * 4.0
+        # last stage: the final norm's output (the output layer's input) and, with local layers
+        # (a torch norm), the norm's normalized copy and rsqrt; the fused native cross entropy
+        # converts the logits to fp32 and keeps exp/softmax in that buffer (4 bytes per
+        # vocabulary entry); its int64/bool target masks (9 bytes per row) are left out
+        last_keep = h * e / sp + ((h + 1.0) * e / sp if local else 0.0) + m.vocab_size / t * 4.0
         # its backward: the logits gradient rounded to bf16 (megatron-core 0.16 does so in any
         # dtype), then autograd's cast back to the logits' dtype when that is not bf16
         logits_trans = m.vocab_size / t * (2.0 + (e if e != 2 else 0.0))
-        # bytes per (query, key) pair of a document and layer: the CPU math path's
+        # bytes per (query, key) pair of a document and layer: the math path's
         # probabilities (and, in the backward, their gradient: `pair_bwd`); the flash kernel's
         # float mask under CP, one value per pair for all heads
         if flash:
             pair, pair_bwd = (e if cp > 1 else 0.0), 0.0
         else:
-            pair = pair_bwd = heads / t * e if cpu else 0.0
+            pair = pair_bwd = heads / t * e if local else 0.0
         return dict(full=full, ckpt=ckpt, emb=emb, work=work, ws=ws, mlp=mlp, last_keep=last_keep,
                     logits_trans=logits_trans, pair=pair, pair_bwd=pair_bwd)
 
@@ -246,7 +254,7 @@ class MemoryAccounting:
         softmax still kept, logits gradients, the SP buffer) or inside a layer's backward (the
         recomputed layer, the layer workspace): the extra is what the former adds beyond the
         latter. `lengths`: the micro-batch's (padded) document lengths, for the terms that are
-        quadratic in them (CPU attention's probabilities; none on GPUs); without them those
+        quadratic in them (the math attention's probabilities; none with TE); without them those
         terms are left out."""
         a = self.act_terms(Layout(*layout))
         Ls = self.layers_per_stage(layout)
@@ -310,10 +318,10 @@ class MemoryAccounting:
             if (layout.pp == 1 and not m.untie_embeddings_and_output_weights) else 0.0
 
     # ------------------------------------------------------------------ quadratic memory
-    # Where activations grow with the square of document lengths (the CPU attention keeps its
-    # probabilities: `pair` > 0; never on GPUs) a token count does not say whether a
-    # micro-batch fits: the planners then check its padded documents with the methods below,
-    # the same arithmetic as replica_peak_bytes, which the simulator's memory check runs.
+    # Where activations grow with the square of document lengths (the local layers' math
+    # attention keeps its probabilities: `pair` > 0; never with TE) a token count does not say
+    # whether a micro-batch fits: the planners then check its padded documents with the methods
+    # below, the same arithmetic as replica_peak_bytes, which the simulator's memory check runs.
     def quadratic(self, layout: Layout) -> bool:
         """Whether this layout's activation memory has a term quadratic in document lengths."""
         return self.act_terms(Layout(*layout))["pair"] > 0

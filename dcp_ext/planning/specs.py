@@ -180,7 +180,13 @@ class ModelSpec:
     exchange_slots: int = 1  # exchange buffers in flight: 2 when pull/push overlap compute
     sequence_parallel: bool = True  # with tp > 1
     hidden_dropout: bool = False  # keeps 1-byte masks per dropout site when True
-    cpu_attention: str = "math"  # CPU ranks' document attention (--dcp-cpu-attention): "math" keeps probabilities
+    cpu_attention: str = "math"  # local layers' document attention (--dcp-cpu-attention): "math" keeps probabilities
+    # The kernels the layers run (megatron/training/run_config.py sets them from what the engine builds);
+    # None, in all three: by the cluster, as presets and earlier plan files are priced (cost_memory.act_terms).
+    layer_kernels: str | None = None  # "te": transformer-engine layers; "local": megatron-core's local spec
+    #                                   with our document attention and torch norms (CPU ranks, GPUs without TE)
+    fused_swiglu: bool | None = None  # fused bias-SwiGLU (None: on GPU clusters)
+    fused_rope: bool | None = None  # fused RoPE, TE's (None: with TE layers)
     gated_linear_unit: bool = field(default=False, repr=False)  # alias kept for Megatron args
 
     @property
@@ -288,6 +294,9 @@ class ModelSpec:
         d.pop("gated_linear_unit", None)
         if d["cpu_attention"] == "math":
             d.pop("cpu_attention")  # the default: JSON of earlier runs and pins stay as they were
+        for key in _MODEL_KERNELS:
+            if d[key] is None:
+                d.pop(key)  # by the cluster: likewise
         return d
 
     @classmethod
@@ -310,6 +319,14 @@ class ModelSpec:
             elif key == "cpu_attention":
                 if d[key] not in ("math", "flash"):
                     raise SpecError(f"cpu_attention must be \"math\" or \"flash\" (got {_show(d[key])})")
+            elif key == "layer_kernels":
+                if d[key] not in ("te", "local"):
+                    raise SpecError(f"layer_kernels must be \"te\" or \"local\" (got {_show(d[key])}); "
+                                    "leave it out to follow the cluster")
+            elif key in _MODEL_KERNELS:
+                if not isinstance(d[key], bool):
+                    raise SpecError(f"{key} must be true or false (got {_show(d[key])}); leave it out to follow "
+                                    "the cluster")
             else:
                 _check_number(d, key, "", integer=True, zero_ok=key in _MODEL_MAY_BE_ZERO)
         if d["num_attention_heads"] % d["num_query_groups"]:
@@ -326,6 +343,7 @@ _GPU_MAY_BE_ZERO = ("intra_node_latency", "inter_node_latency", "half_efficiency
                     "reserved_bytes", "attention_doc_overhead_s", "communicator_bytes", "reserved_communicators")
 _MODEL_FLAGS = ("swiglu", "untie_embeddings_and_output_weights", "sequence_parallel", "hidden_dropout",
                 "gated_linear_unit")
+_MODEL_KERNELS = ("layer_kernels", "fused_swiglu", "fused_rope")  # None (by the cluster): left out of the JSON
 _MODEL_MAY_BE_ZERO = ("seq_length", "bucket_numel", "optimizer_bytes_per_param")
 
 

@@ -4,7 +4,8 @@ Why it exists: the planner's cost model and the engine must agree on what the en
 do (whether pull/push overlap compute, how large an exchange bucket is, which optimizer
 runs), or the planner prices memory and time the run does not have. Each of those rules
 is derived here, once, into frozen records: `EngineOptions` for the engine, a `ModelSpec`
-for the planner and the cost model with the same exchange slots and bucket size. Nothing
+for the planner and the cost model with the same exchange slots, bucket size and kernels
+(TE or local layers, the fusions: what its activation memory depends on). Nothing
 writes the flags after this point.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dcp_ext.planning.layout import bucket_numel_for
 from dcp_ext.planning.specs import ModelSpec
 from dcp_ext.runtime.options import EngineOptions
 from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
+from megatron.training.model_flags import Machine, config_fields, uses_transformer_engine
 
 OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
                       "transfer threads share the cores with the compute, so overlapping made the exposed "
@@ -40,6 +42,17 @@ def optimizer_options_for(args) -> OptimizerOptions:
                             decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
 
 
+def kernels_for(args, machine: Machine | None = None) -> dict:
+    """The ModelSpec's kernel fields (layer_kernels, fused_swiglu, fused_rope): the layers
+    and fusions the engine builds on `machine` (None: this one), by the rules that build
+    them (pretrain_gpt_dcp's layer spec, transformer_config_from_args' fusions)."""
+    machine = machine or Machine.here()
+    fields = config_fields(args, machine)
+    return dict(layer_kernels="te" if uses_transformer_engine(args, machine) else "local",
+                fused_swiglu=bool(fields["bias_activation_fusion"]) if args.swiglu else None,
+                fused_rope=bool(fields["apply_rope_fusion"]))
+
+
 @dataclass(frozen=True)
 class AdaptiveRunConfig:
     engine: EngineOptions
@@ -47,13 +60,14 @@ class AdaptiveRunConfig:
     overlap_note: str | None = None  # said once at start when the overlap flags are set aside
 
     @classmethod
-    def from_args(cls, args, on_cpu: bool, device: str | None = None):
-        """device: the engine's (None: this process's CUDA device, else the CPU; 'meta')."""
+    def from_args(cls, args, on_cpu: bool, device: str | None = None, machine: Machine | None = None):
+        """device: the engine's (None: this process's CUDA device, else the CPU; 'meta').
+        machine: what the kernels can use (None: this one, `Machine.here()`)."""
         overlap, note = overlap_for(args, on_cpu)
         spec = ModelSpec.from_megatron_args(args)
         # one bucket size for both: the flag's, else the sharding's rule on the model's size
         bucket = bucket_numel_for(spec.num_params, args.ddp_bucket_size or 0)
-        spec = spec.with_(bucket_numel=bucket, exchange_slots=2 if overlap else 1)
+        spec = spec.with_(bucket_numel=bucket, exchange_slots=2 if overlap else 1, **kernels_for(args, machine))
         engine = EngineOptions(
             optimizer=optimizer_options_for(args), sequence_parallel=args.sequence_parallel,
             exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,
