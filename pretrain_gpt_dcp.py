@@ -109,7 +109,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    from megatron.training.batches import get_batch
+
+    batch = get_batch(data_iterator, model)  # on the model's device
     output = model(
         batch["tokens"],
         batch["position_ids"],

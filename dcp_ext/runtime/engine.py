@@ -10,11 +10,15 @@ A step: resolve this rank's part of the plan (`LocalPlan`), pull its stage's par
 (bucket by bucket, overlapped with the forward when asked), run the micro-batches with
 fp32 main grads, push each bucket's gradients to their owners as soon as the last
 backward has produced them, then clip and update the shard (fp16: unscale, skip on
-overflow, Megatron's dynamic loss scaler). Every tensor lives on the model's device.
+overflow, Megatron's dynamic loss scaler). Every tensor lives on the model's device, and
+a step waits for the device twice: once for its timings (`DeviceClock.seconds`), once to
+read the loss and gradient norm (`_reduce`), which decide the update.
 """
 from __future__ import annotations
 
+import math
 import time
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -24,13 +28,18 @@ from dcp_ext.compat import mcore_compat
 from dcp_ext.data.thd import num_loss_tokens
 from dcp_ext.planning.layout import ReplicaType
 from dcp_ext.planning.plan import IterationPlan
+from dcp_ext.runtime.device_clock import DeviceClock
+from dcp_ext.runtime.host_device import values_on_device
 from dcp_ext.runtime.local_plan import LocalPlan
 from dcp_ext.runtime.options import EngineOptions, default_device
 from dcp_ext.runtime.params.initial_values import seed_rng_tracker
 from dcp_ext.runtime.params.server import ParameterServer
-from dcp_ext.runtime.schedule.timing import LocalTimings, PhaseClock, untimed
+from dcp_ext.runtime.params.streams import WAIT
+from dcp_ext.runtime.schedule.timing import LocalTimings, untimed
 from dcp_ext.runtime.stages.bank import StageBank
 from dcp_ext.runtime.step_result import NoTrainableTokens, StepResult
+
+EXCHANGE = "exchange"  # the device clock's key for a pull or push not overlapped with compute
 
 
 class AdaptiveEngine:
@@ -43,6 +52,9 @@ class AdaptiveEngine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(options.device) if options.device is not None else default_device()
         mcore_compat.ensure_global_memory_buffer()
+        # megatron-core's initialisation on a GPU forks its RNG tracker (on meta parameters:
+        # no values are drawn, the pull gives them), so the tracker must exist before building
+        seed_rng_tracker(options.init_seed, 0, 0)
         self.bank = StageBank(replica_types, make_config, build_model, device=self.device,
                               sequence_parallel=options.sequence_parallel, layer_strategies=options.layer_strategies)
         self.server = ParameterServer(
@@ -57,6 +69,7 @@ class AdaptiveEngine:
     # the parts other rooms read (checkpoints, logs, tests)
     space = property(lambda self: self.bank.space)
     registry = property(lambda self: self.bank.registry)
+    host_group = property(lambda self: self.bank.registry.host_group)  # gloo over every rank on GPU runs
     sharding = property(lambda self: self.server.sharding)
     optimizer = property(lambda self: self.server.optimizer)
 
@@ -119,51 +132,56 @@ class AdaptiveEngine:
             pull.drain()
         return tuple(self._reduce(local, loss_sum, tokens, 0.0, 0.0)[:2])
 
-    def _begin_pull(self, local: LocalPlan):
+    def _begin_pull(self, local: LocalPlan, clock=None):
         """Bind the iteration's alternative layers and start the pull: (pull stream, exchange
         plan, buffer elements in use, push buckets per bound parameter)."""
         numel, push_buckets = self.bank.bind_for(local.stage, local.my_needs)
         plan = self.server.layout_plan(local.layout_key(), lambda: self.bank.layout(local.it, local.needs))
-        return self.server.pull(plan, self.bank.params), plan, numel, push_buckets
+        return self.server.pull(plan, self.bank.params, clock), plan, numel, push_buckets
 
     def _step(self, local: LocalPlan, micro_batches: list, loss_tokens: int) -> StepResult:
         overlap, runner = self.options.overlap, local.stage.runner
         seed_rng_tracker(self.options.init_seed, local.it.index, local.coords[0])
-        moved_before, waited_before = self.server.traffic()
+        moved_before = self.server.bytes_moved()
+        clock = DeviceClock(self.device)  # the step's device times, read once at its end
         t0 = time.perf_counter()
-        with self.phase("dcp-pull"):
-            pull, plan, numel, push_buckets = self._begin_pull(local)
-        sync_s = time.perf_counter() - t0 if not overlap else 0.0
+        with self.phase("dcp-pull"), clock.span(EXCHANGE) if not overlap else nullcontext():
+            pull, plan, numel, push_buckets = self._begin_pull(local, clock)
         self.bank.main_grads[:numel].zero_()
         scale = self.server.loss_scale()
-        push = self.server.push(plan, self.bank.main_grads, push_buckets)
-        clock = PhaseClock(self.device, len(micro_batches))
+        push = self.server.push(plan, self.bank.main_grads, push_buckets, clock)
         with self.bank.streaming(pull, push):
             with self.phase("forward-backward"):
                 loss_sum, tokens = runner.run(micro_batches, scale / max(loss_tokens, 1), pull, push, clock)
                 pull.drain()
-            t1 = time.perf_counter()
-            with self.phase("dcp-push"):
+            with self.phase("dcp-push"), clock.span(EXCHANGE) if not overlap else nullcontext():
                 push.finish()
-        if not overlap:
-            sync_s += time.perf_counter() - t1
-        timings = LocalTimings(local.index, runner.pp_rank, clock.seconds(), sync_s, time.perf_counter() - t0)
+        self.server.unscale(scale)
+        seconds = clock.seconds()  # the step's one wait for its timings
+        waited = seconds.get(EXCHANGE, 0.0) + seconds.get(WAIT, 0.0)
+        timings = LocalTimings(local.index, runner.pp_rank, DeviceClock.per_index(seconds, len(micro_batches)),
+                               seconds.get(EXCHANGE, 0.0), time.perf_counter() - t0)
+        with self.phase("dcp-reduce"):  # the loss and the gradient norm: the step's one read of device values
+            loss, tokens, moved, worst_wait, least_wait, square = self._reduce(
+                local, loss_sum, tokens, self.server.bytes_moved() - moved_before, waited,
+                self.server.optimizer.grad_square_sum())
+        norm = math.sqrt(square)
         with self.phase("optimizer"):
-            ok, norm = self.server.step(scale)
-        moved, waited = self.server.traffic()
-        waited = sync_s if not overlap else waited - waited_before
-        with self.phase("dcp-reduce"):
-            loss, tokens, moved, worst_wait, least_wait = self._reduce(local, loss_sum, tokens, moved - moved_before,
-                                                                       waited)
+            ok = self.server.step(norm)
         return StepResult(loss, tokens, norm, ok, moved, worst_wait, scale, timings, exchange_s=least_wait)
 
-    def _reduce(self, local: LocalPlan, loss_sum: float, tokens: float, moved: float, waited: float) -> list[float]:
+    def _reduce(self, local: LocalPlan, loss_sum, tokens: float, moved: float, waited: float,
+                square=None) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
-        bytes moved summed, the longest and the shortest wait: one all-gather, summed in rank order."""
+        bytes moved summed, the longest and the shortest wait, the squared gradient norm
+        summed over the shards: one all-gather, summed in rank order, read on the host once."""
         counts = local.stage.runner.last and local.coords[0] == 0
-        mine = torch.tensor([loss_sum if counts else 0.0, tokens if counts else 0.0, moved, waited],
-                            dtype=torch.float64, device=self.device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        mine = torch.cat([(loss_sum if counts else zero).reshape(1).to(zero.dtype),
+                          values_on_device([tokens if counts else 0.0, moved, waited], self.device),
+                          (square if square is not None else zero).reshape(1)])
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine)
         every = torch.stack(every).cpu()
-        return every[:, :3].sum(0).tolist() + [float(every[:, 3].max()), float(every[:, 3].min())]
+        return every[:, :3].sum(0).tolist() + [float(every[:, 3].max()), float(every[:, 3].min()),
+                                               float(every[:, 4].sum())]

@@ -73,7 +73,8 @@ class LocalPlan:
         out = []
         for b, mb in zip(batches, self.replica.micro_batches):
             local = localize(b, stage.rep.cp, self.coords[1], stage.rep.tp, stage.sequence_parallel,
-                             stage.config.hidden_size, mb.recompute_layers, device=device)
+                             stage.config.hidden_size, mb.recompute_layers, device=device,
+                             lengths_on_host=stage.lengths_on_host)
             local.strategies = stage_strategies(mb, self.replica, self.coords[2], self.num_layers)
             out.append(local)
         return out

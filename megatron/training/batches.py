@@ -9,12 +9,39 @@ to a multiple of 2*cp and this rank keeps its load-balanced chunks.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
 from dcp_ext.data.thd import FIELDS, pack
+from dcp_ext.runtime.host_device import place_packed_seq_params, reads_lengths_on_host, to_device
 from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
+
+TENSORS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def get_batch(data_iterator, model) -> dict:
+    """The next micro-batch on the model's device, as upstream's `get_batch`: the tensors
+    copied without a host wait (pinned, non-blocking on CUDA), the packed sequences' lengths
+    kept on the host where the model's layers read them there (dcp_ext.runtime.host_device)."""
+    batch = dict(next(data_iterator))
+    device = next(model.parameters()).device
+    for key in TENSORS:
+        batch[key] = to_device(batch[key], device)
+    if batch.get("packed_seq_params") is not None:
+        batch["packed_seq_params"] = place_packed_seq_params(batch["packed_seq_params"], device,
+                                                             _lengths_on_host(model))
+    return batch
+
+
+_LENGTHS_ON_HOST = weakref.WeakKeyDictionary()  # model -> reads_lengths_on_host(model): its layers do not change
+
+
+def _lengths_on_host(model) -> bool:
+    if model not in _LENGTHS_ON_HOST:
+        _LENGTHS_ON_HOST[model] = reads_lengths_on_host(model)
+    return _LENGTHS_ON_HOST[model]
 
 
 def document_lengths(tokens: torch.Tensor, eod: Optional[int]) -> list[int]:

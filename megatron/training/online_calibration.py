@@ -13,11 +13,13 @@ from dcp_ext.runtime.schedule.timing import reduce_step
 
 
 class OnlineCalibration:
-    def __init__(self, planner, device, peak_memory=None):
+    def __init__(self, planner, device, peak_memory=None, host_group=None):
         """peak_memory: this rank's PeakMemory (memory_report); its peak per iteration against
-        the plan's prediction is the memory the cost model misses."""
+        the plan's prediction is the memory the cost model misses. host_group: the engine's
+        gloo group over every rank (GPU runs), which reduces the timings on the host."""
         self.planner = planner
         self.device = device
+        self.host_group = host_group
         self.peak_memory = peak_memory
         self.calibration = Calibration()
         self.last = None  # the last step's StepTimings (the same on every rank)
@@ -52,7 +54,8 @@ class OnlineCalibration:
     def measured(self, it, batch, result, wall_s: float) -> None:
         """Queue iteration `it`'s timings (collective: every rank calls it after each step)."""
         lengths = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
-        t = reduce_step(it, result.timings, wall_s, self.device, self._memory_excess(it, lengths))
+        t = reduce_step(it, result.timings, wall_s, self.device, self._memory_excess(it, lengths),
+                        host_group=self.host_group)
         self.last = t
         self.calibration.add(observe(it, lengths, t.micro_batches, t.sync_s, t.replica_s, t.wall_s,
                                      self.planner.cm.stage_recompute, t.memory_excess))

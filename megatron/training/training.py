@@ -282,8 +282,9 @@ def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int,
 
 def train_step(args, model, optimizer, scheduler, config, forward_step_func, data_iterator, num_microbatches,
                seq_length: int, forward_only: bool = False, features: Optional[LoopFeatures] = None,
-               iteration: Optional[int] = None):
-    """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer step."""
+               iteration: Optional[int] = None, flops: float | None = None):
+    """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer
+    step. `flops`: this rank's share of the model FLOPs, summed over ranks with the loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
@@ -307,27 +308,43 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
         finite_weights.inject_nan_weights(model.parameters(), iteration)
         if update_successful:
             scheduler.step(increment=args.lr_step_increment)
-    return reduce_losses(losses), update_successful, grad_norm
+    return reduce_losses(losses, model_device(model), flops), update_successful, grad_norm
 
 
-def reduce_losses(losses) -> dict[str, float]:
+def reduce_losses(losses, device, flops: float | None = None) -> dict[str, float]:
     """Sum each reported (loss_sum, tokens) over micro-batches and DP/CP ranks; per-token means.
 
-    Only the last pipeline stage holds losses; the result is broadcast over the pipeline so
-    every rank returns the same numbers.
+    Only the last pipeline stage holds losses (the others send zeros, on the model's
+    `device`: NCCL reduces device tensors only); the result is broadcast over the pipeline
+    so every rank returns the same numbers, read on the host once. `flops`: this rank's
+    share of the iteration's model FLOPs, summed in the same reduction (key "flops").
     """
     from megatron.core import parallel_state
+
+    from dcp_ext.runtime.host_device import values_on_device
 
     totals: dict[str, torch.Tensor] = {}
     for entry in losses or []:
         for key, value in entry.items():
             totals[key] = totals.get(key, 0) + value.detach().double()
     keys = ["lm loss"]
-    vec = torch.stack([totals.get(k, torch.zeros(2, dtype=torch.float64)) for k in keys])
+    zeros = torch.zeros(2, dtype=torch.float64, device=device)
+    rows = [totals.get(k, zeros).to(device) for k in keys]
+    if flops is not None:
+        rows.append(values_on_device([flops, 0.0], device))
+    vec = torch.stack(rows)
     dist.all_reduce(vec, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     last = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast(vec, src=last, group=parallel_state.get_pipeline_model_parallel_group())
-    return {k: (vec[i, 0] / vec[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
+    vec = vec.cpu()
+    out = {k: (vec[i, 0] / vec[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
+    if flops is not None:
+        out["flops"] = vec[len(keys), 0].item()
+    return out
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def loss_scaler_can_back_off(optimizer) -> bool:
@@ -360,7 +377,7 @@ class StaticSteps:
         self.consumed_valid_samples = 0  # the validation pass walks on from here (wrapping at the split's end)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_group = parallel_state.get_data_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
         self.collate = partial(collate_fixed_length, args=args)
         self.workers = WorkerBatches(train_ds, consumed_samples, args, self.dp_rank, self.dp_size,
                                      self.collate) if args.num_workers else None
@@ -370,9 +387,13 @@ class StaticSteps:
         args = self.args
         self.batches = self.workers.next_global_batch() if self.workers else list(
             micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate))
+        # this DP rank's documents (every CP rank holds them whole): their FLOPs, summed over
+        # the DP x CP group with the loss
+        share = self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]) / self.cp_size
         self.losses, ok, self.grad_norm = train_step(
             args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
-            args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1)
+            args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1, flops=share)
+        self.flops = self.losses.pop("flops")
         loss = self.losses["lm loss"]
         self.consumed_samples += args.global_batch_size
         # An overflow that the dynamic loss scaler (--fp16) answers by backing off is a normal
@@ -381,10 +402,8 @@ class StaticSteps:
         return Outcome(loss, ok and finite, finite and not ok and loss_scaler_can_back_off(self.optimizer))
 
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
-        flops = torch.tensor(self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]), dtype=torch.float64)
-        dist.all_reduce(flops, group=self.dp_group)
         self.logger.log_iteration(iteration, self.consumed_samples, elapsed_s, self.losses, self.scheduler,
-                                  self.optimizer, self.grad_norm, outcome.applied, flops.item(),
+                                  self.optimizer, self.grad_norm, outcome.applied, self.flops,
                                   self.args.global_batch_size)
 
     def start_validation_at(self, batches: int) -> None:
@@ -426,6 +445,6 @@ def evaluate_and_log(args, model, forward_step_func, dataset, consumed_samples: 
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True) or []
     model.train()
-    loss = reduce_losses(reported)["lm loss"]
+    loss = reduce_losses(reported, model_device(model))["lm loss"]
     logger.log_validation(iteration, loss, prefix, scalars=scalars)
     return loss

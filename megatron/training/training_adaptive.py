@@ -306,6 +306,11 @@ class AdaptiveRun:
 
     def seed(self) -> None:
         set_random_seed_without_parallel_state(self.args.seed)
+        # megatron-core's RNG tracker seeded before anything is built, as the static path
+        # does (the engine re-seeds it for every step's TP rank)
+        from dcp_ext.runtime.params.initial_values import seed_rng_tracker
+
+        seed_rng_tracker(self.args.seed, 0, 0)
         self.cluster = cluster_for(self.args.world_size, self.args)  # an unknown GPU stops here, before any data
 
     def data(self) -> None:
@@ -339,7 +344,7 @@ class AdaptiveRun:
                      f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
                      + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
         if args.dcp_recalibration == "on":
-            self.recalibration = OnlineCalibration(self.planner, engine.device, peak_memory)
+            self.recalibration = OnlineCalibration(self.planner, engine.device, peak_memory, engine.host_group)
             at_rest = self.recalibration.charge_at_rest(engine)
             print_rank_0(f"> memory beyond the model at rest (the most over ranks, charged from the first plan): "
                          f"{at_rest / 2**20:.0f} MiB")

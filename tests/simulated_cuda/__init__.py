@@ -433,9 +433,19 @@ def _patch_tensor_constructors(sim: _Simulation) -> None:
 
     torch = sim.torch
 
+    def host_values(data):
+        """Device scalars inside `data` read on the host, one wait each (as torch does)."""
+        if isinstance(data, sim.Tensor):
+            return data.cpu() if data.dim() else data.item()
+        if isinstance(data, (list, tuple)):
+            return type(data)(host_values(x) for x in data)
+        return data
+
     def on_host_then_copied(make, device_at=None):
         @functools.wraps(make)
         def made(*args, **kwargs):
+            if args and isinstance(args[0], (list, tuple)):
+                args = (host_values(args[0]),) + args[1:]
             device = kwargs.get("device")
             if device_at is not None and len(args) > device_at and device is None:
                 device, args = args[device_at], args[:device_at] + args[device_at + 1:]
@@ -473,8 +483,7 @@ def _collective(sim: _Simulation, func, name, args, kwargs):
 
     Sim = sim.Tensor
     flat, _ = tree_flatten((args, kwargs))
-    group = next((x for x in flat if hasattr(x, "group_name") and hasattr(x, "size")), None)
-    group_name = getattr(group, "group_name", "?") if group is not None else "?"
+    group_name = next((name for name in map(_group_name, flat) if name is not None), "?")
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     host_group = group_name in sim.host_groups
     if not host_group:
@@ -487,6 +496,19 @@ def _collective(sim: _Simulation, func, name, args, kwargs):
             sim.collective_log.append((group_name, name, peer))
     return func(*tree_map(lambda x: x.elem if isinstance(x, Sim) else x, args),
                 **tree_map(lambda x: x.elem if isinstance(x, Sim) else x, kwargs))
+
+
+def _group_name(x) -> str | None:
+    """The name of a process group as c10d's ops carry it (a ScriptObject), else None."""
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(x, torch.ScriptObject) and "op" not in x._method_names():
+        try:
+            return dist.ProcessGroup.unbox(x).group_name
+        except RuntimeError:
+            return None
+    return getattr(x, "group_name", None) if isinstance(x, dist.ProcessGroup) else None
 
 
 def _peer(name, args):

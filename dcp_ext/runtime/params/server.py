@@ -124,31 +124,36 @@ class ParameterServer:
         coordinates, or a function making them (called only on a cache miss)."""
         return self.exchange.plan(key, layout)
 
-    def pull(self, plan, params: torch.Tensor) -> PullStream:
-        """Start this step's pull into `params` (whole, unless overlapping)."""
-        return PullStream(self.exchange, plan, self.optimizer.master(), params, self.overlap)
+    def pull(self, plan, params: torch.Tensor, clock=None) -> PullStream:
+        """Start this step's pull into `params` (whole, unless overlapping; `clock` times the
+        overlapped waits)."""
+        return PullStream(self.exchange, plan, self.optimizer.master(), params, self.overlap, clock)
 
-    def push(self, plan, main_grads: torch.Tensor, push_buckets: list) -> PushStream:
+    def push(self, plan, main_grads: torch.Tensor, push_buckets: list, clock=None) -> PushStream:
         """This step's push of `main_grads` into the shard's gradient; the optimizer's
         gradient is zeroed here, before any bucket lands."""
         self.optimizer.zero_grad()
-        return PushStream(self.exchange, plan, main_grads, self.optimizer.grad, push_buckets, self.overlap)
+        return PushStream(self.exchange, plan, main_grads, self.optimizer.grad, push_buckets, self.overlap, clock)
 
     def loss_scale(self) -> float:
         return float(self.grad_scaler.scale.item()) if self.grad_scaler is not None else 1.0
 
-    def step(self, scale: float) -> tuple[bool, float]:
-        """Unscale (fp16), clip on the global norm and update the shard; (applied, grad norm)."""
+    def unscale(self, scale: float) -> None:
+        """fp16: the pushed gradient back to its true scale, before its norm is taken."""
         if self.grad_scaler is not None:
             self.optimizer.unscale(1.0 / scale)
-        ok, norm = self.optimizer.step()
+
+    def step(self, norm: float) -> bool:
+        """Clip on the global gradient norm (`norm`, reduced by the caller) and update the
+        shard; False (nothing applied) when the norm is not finite."""
+        ok = self.optimizer.step(norm=norm)[0]
         if self.grad_scaler is not None:
             self.grad_scaler.update(not ok)
-        return ok, norm
+        return ok
 
-    def traffic(self) -> tuple[float, float]:
-        """(bytes pulled and pushed, seconds blocked on transfers) so far, this rank."""
-        return self.exchange.bytes_pulled + self.exchange.bytes_pushed, self.exchange.wait_s
+    def bytes_moved(self) -> int:
+        """Bytes pulled and pushed so far, this rank."""
+        return self.exchange.bytes_pulled + self.exchange.bytes_pushed
 
     def persistent_bytes(self) -> dict[str, int]:
         out = dict(self.optimizer.persistent_bytes())

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+NORM_CHUNK = 1 << 22  # elements per float64 partial sum of the gradient norm (32 MiB transient)
+
 
 @dataclass(frozen=True)
 class OptimizerOptions:
@@ -118,14 +120,26 @@ class ShardedOptimizer:
     def unscale(self, inv_scale: float) -> None:
         self.grad.mul_(inv_scale)
 
+    def grad_square_sum(self) -> torch.Tensor:
+        """This shard's sum of squared gradients, a float64 scalar on the device (no host wait).
+        Summed in float64 chunk by chunk: a transient of NORM_CHUNK elements, never a float64
+        copy of the whole shard."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
+        for chunk in self.grad.split(NORM_CHUNK):
+            c = chunk.double()
+            total += torch.dot(c, c)
+        return total
+
     def global_grad_norm(self, group=None) -> float:
-        sq = self.grad.double().pow(2).sum().reshape(1)
+        sq = self.grad_square_sum().reshape(1)
         dist.all_reduce(sq, group=group)
         return math.sqrt(sq.item())
 
-    def step(self, group=None) -> tuple[bool, float]:
-        """Clip to the global norm, then AdamW / SGD. Skips (returns False) on a non-finite norm."""
-        norm = self.global_grad_norm(group)
+    def step(self, group=None, norm: float | None = None) -> tuple[bool, float]:
+        """Clip to the global norm (`norm` when the caller reduced it, else reduced here over
+        `group`), then AdamW / SGD. Skips (returns False) on a non-finite norm."""
+        if norm is None:
+            norm = self.global_grad_norm(group)
         if not math.isfinite(norm):
             return False, norm
         coeff = self.clip_grad / (norm + 1.0e-6) if self.clip_grad and self.clip_grad > 0 else 1.0

@@ -4,12 +4,21 @@ Why it exists: the engine overlaps its exchange with compute (a layer's pre-forw
 waits only for the buckets it needs; a bucket's gradients leave as soon as the last
 backward has produced them). The bookkeeping of which buckets are in flight, in the same
 order on every rank, is this module's one job; the engine only starts and finishes them.
+When they overlap compute, each wait for a transfer is timed on the step's device clock
+(`clock`, key "exchange-wait"): how long the compute stood waiting, the exposed exchange.
 """
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
 from dcp_ext.runtime.params.exchange import ParamExchange
+
+WAIT = "exchange-wait"
+
+
+def _waiting(clock):
+    return clock.span(WAIT) if clock is not None else nullcontext()
 
 
 class PullStream:
@@ -17,8 +26,9 @@ class PullStream:
     flight, a layer's pre-forward hook waits for the buckets it needs and starts the next;
     every rank takes part in every bucket, so a stage that waits on a peer first drains."""
 
-    def __init__(self, exchange: ParamExchange, plan, master, params, overlap: bool):
+    def __init__(self, exchange: ParamExchange, plan, master, params, overlap: bool, clock=None):
         self.exchange, self.plan, self.master, self.params = exchange, plan, master, params
+        self.clock = clock if overlap else None
         self.total = len(plan.pull)
         self.launched = self.done = 0
         self.inflight: deque = deque()
@@ -38,7 +48,8 @@ class PullStream:
 
     def need(self, bucket: int) -> None:
         while self.done <= min(bucket, self.total - 1):
-            self.inflight.popleft().wait()
+            with _waiting(self.clock):
+                self.inflight.popleft().wait()
             self.done += 1
             self._launch()
 
@@ -51,9 +62,10 @@ class PushStream:
     micro-batch's backward each parameter's final gradient marks its buckets; a bucket is
     sent once it and every later bucket are complete (the same order on every rank)."""
 
-    def __init__(self, exchange: ParamExchange, plan, grads, grad_shard, push_buckets, overlap: bool):
+    def __init__(self, exchange: ParamExchange, plan, grads, grad_shard, push_buckets, overlap: bool, clock=None):
         self.exchange, self.plan, self.grads, self.grad_shard = exchange, plan, grads, grad_shard
         self.overlap = overlap
+        self.clock = clock if overlap else None
         self.tracking = False
         self.pending = [0] * len(plan.push)
         for buckets in push_buckets:
@@ -82,7 +94,8 @@ class PushStream:
             if len(self.inflight) == slots:
                 if not (force or self.inflight[0].done()):
                     return
-                self.inflight.popleft().wait()
+                with _waiting(self.clock):
+                    self.inflight.popleft().wait()
             b = self.next
             self.inflight.append(self.exchange.start_push(self.plan, b, self.grads, self.grad_shard, slot=b % slots))
             self.next -= 1
@@ -91,4 +104,5 @@ class PushStream:
         self.tracking = False
         self._issue(force=True)
         while self.inflight:
-            self.inflight.popleft().wait()
+            with _waiting(self.clock):
+                self.inflight.popleft().wait()

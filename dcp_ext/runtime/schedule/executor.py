@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dcp_ext.runtime.host_device import place_packed_seq_params, to_device
 from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 
@@ -32,24 +33,29 @@ class LocalMicroBatch:
     packed_seq_params: object
     hidden_shape: tuple[int, int, int]  # activations between stages: [s, 1, h]
     recompute_layers: int
+    loss_tokens: float = 0.0  # this rank's loss-mask sum, counted on the host
     strategies: tuple | None = None  # (tp, cp) of each layer of the stage when the plan switches them
     relayout: object = None  # layer_switch.StageRelayout, built on first use
 
 
 def localize(batch, cp: int, cp_rank: int, tp: int, sequence_parallel: bool, hidden: int,
-             recompute_layers: int, device=None) -> LocalMicroBatch:
-    """This CP rank's load-balanced share of a packed micro-batch (global cu_seqlens kept)."""
+             recompute_layers: int, device=None, lengths_on_host: bool = True) -> LocalMicroBatch:
+    """This CP rank's load-balanced share of a packed micro-batch (global cu_seqlens kept),
+    on `device` without a host wait; the cu_seqlens stay on the host when the layers read
+    them there (`lengths_on_host`, dcp_ext.runtime.host_device)."""
     padded = torch.diff(batch.cu_seqlens_padded).tolist()
     idx = cp_token_indices(padded, cp, cp_rank)
     t_local = idx.numel()
     seq = t_local // tp if sequence_parallel else t_local
     psp = batch.packed_seq_params()
-    take = lambda x: x[idx].unsqueeze(0).to(device) if device is not None else x[idx].unsqueeze(0)
-    if device is not None:
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-            setattr(psp, name, getattr(psp, name).to(device))
+    mask = batch.loss_mask[idx]
+    if device is None:
+        take = lambda x: x[idx].unsqueeze(0)  # noqa: E731
+    else:
+        take = lambda x: to_device(x[idx].unsqueeze(0), device)  # noqa: E731
+        psp = place_packed_seq_params(psp, device, lengths_on_host)
     return LocalMicroBatch(take(batch.tokens), take(batch.labels), take(batch.loss_mask), take(batch.position_ids),
-                           psp, (seq, 1, hidden), recompute_layers)
+                           psp, (seq, 1, hidden), recompute_layers, loss_tokens=float(mask.sum()))
 
 
 RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
@@ -114,11 +120,12 @@ class StageRunner:
             return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
                               packed_seq_params=mb.packed_seq_params)
 
-    def evaluate(self, micro_batches: list[LocalMicroBatch], pull=None) -> tuple[float, float]:
-        """Forward only, stage by stage. Returns (loss sum, loss tokens) on the last stage."""
+    def evaluate(self, micro_batches: list[LocalMicroBatch], pull=None) -> tuple[torch.Tensor, float]:
+        """Forward only, stage by stage. Returns (loss sum on the device, loss tokens) on the
+        last stage, (0, 0) elsewhere."""
         self.model.eval()
         pull = pull or _NoStream()
-        loss_sum, tokens = 0.0, 0.0
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=_device(self.model)), 0.0
         with torch.no_grad():
             for i, mb in enumerate(micro_batches):
                 if not self.first:
@@ -127,19 +134,19 @@ class StageRunner:
                 out = self._forward(mb, x)
                 pull.drain()
                 if self.last:
-                    mask = mb.loss_mask.to(out.device).float()
-                    loss_sum += float((out.float() * mask).sum())
-                    tokens += float(mask.sum())
+                    loss_sum += (out.float() * mb.loss_mask.float()).sum().double()
+                    tokens += mb.loss_tokens
                 else:
                     self._send(out, self.next)
         self.model.train()
         return loss_sum, tokens
 
     def run(self, micro_batches: list[LocalMicroBatch], loss_scale: float, pull=None, push=None,
-            clock=None) -> tuple[float, float]:
-        """Forward and backward every micro-batch (1F1B). Returns (loss sum, loss tokens) on
-        the last stage, (0, 0) elsewhere. `clock` (timing.PhaseClock) times each micro-batch's
-        forward and backward compute, not the waits for peers."""
+            clock=None) -> tuple[torch.Tensor, float]:
+        """Forward and backward every micro-batch (1F1B). Returns (loss sum on the device, loss
+        tokens) on the last stage, (0, 0) elsewhere: nothing here waits for the device.
+        `clock` (device_clock.DeviceClock) times each micro-batch's forward and backward
+        compute, not the waits for peers."""
         self.model.train()
         pull, push = pull or _NoStream(), push or _NoStream()
         clock = clock or _NoClock()
@@ -148,7 +155,7 @@ class StageRunner:
         n = len(micro_batches)
         warmup = min(self.rep.pp - self.pp_rank - 1, n)
         pending = deque()  # (input activation, output) awaiting backward
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=_device(self.model))
         tokens = 0.0
 
         def forward(i, x):
@@ -158,10 +165,9 @@ class StageRunner:
                 out = self._forward(mb, x)
                 pull.drain()
                 if self.last:
-                    mask = mb.loss_mask.to(out.device).float()
-                    per_mb = (out.float() * mask).sum()
-                    loss_sum += per_mb.detach().double().cpu()
-                    tokens += float(mask.sum())
+                    per_mb = (out.float() * mb.loss_mask.float()).sum()
+                    loss_sum = loss_sum + per_mb.detach().double()
+                    tokens += mb.loss_tokens
                     out = per_mb * loss_scale
             pending.append((x, out))
             return out
@@ -203,7 +209,7 @@ class StageRunner:
                                   recv_from=self.next)
             x_grad = backward(grad)
             self._send(x_grad, self.prev)
-        return float(loss_sum), tokens
+        return loss_sum, tokens
 
     # ------------------------------------------------------------- p2p helpers
     def _recv_forward(self, i, micro_batches):

@@ -3,20 +3,22 @@
 Why it exists: online recalibration (dcp_ext.planning.calibration) refits the cost model
 from the run's own timings, and every rank plans on its own, so every rank must refit
 from the same numbers. Each rank times its stage's forward and backward of every
-micro-batch (`PhaseClock`: wall clock on the CPU, CUDA events on a GPU, read once after
-the step), and its pull+push and whole replica step; `reduce_step` places them in slots
-known from the plan on every rank and takes one MAX all-reduce (a stage's slowest rank
-is the stage's time; only one stage writes each slot), so everyone gets the same
-`StepTimings`.
+micro-batch (`dcp_ext.runtime.device_clock.DeviceClock`: wall clock on the CPU, CUDA events
+on a GPU, read once after the step), and its pull+push and whole replica step; `reduce_step`
+places them in slots known from the plan on every rank and takes one MAX all-reduce (a
+stage's slowest rank is the stage's time; only one stage writes each slot), so everyone
+gets the same `StepTimings`. The numbers are host numbers by then: the reduction runs
+over a host (gloo) group when the run has one, so it adds no wait for the device.
 """
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from dcp_ext.runtime.host_device import to_device
 
 
 # The phases of one `--dcp` step, as Megatron's --timing-log-level 2 timers name them: the
@@ -28,39 +30,6 @@ PHASES = ("dcp-plan-wait", "dcp-fetch-pack", "dcp-pull", "forward-backward", "dc
 
 def untimed(name: str):
     return nullcontext()
-
-
-class PhaseClock:
-    """Forward and backward seconds of each micro-batch of one stage, on its device."""
-
-    def __init__(self, device: torch.device, count: int):
-        self.cuda = torch.device(device).type == "cuda"
-        self.count = count
-        self._cpu = [0.0] * count
-        self._events: list[tuple] = []
-
-    @contextmanager
-    def timing(self, index: int):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((index, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._cpu[index] += time.perf_counter() - t0
-
-    def seconds(self) -> list[float]:
-        """Forward+backward seconds per micro-batch (synchronises the device once)."""
-        if self._events:
-            torch.cuda.synchronize()
-            out = list(self._cpu)
-            for i, start, end in self._events:
-                out[i] += start.elapsed_time(end) / 1000.0
-            return out
-        return list(self._cpu)
 
 
 @dataclass
@@ -87,9 +56,12 @@ class StepTimings:
     memory_excess: float = 0.0  # bytes: the most any rank held above its replica's predicted peak
 
 
-def reduce_step(it, local: LocalTimings, wall_s: float, device, memory_excess: float = 0.0) -> StepTimings:
+def reduce_step(it, local: LocalTimings, wall_s: float, device, memory_excess: float = 0.0,
+                host_group=None) -> StepTimings:
     """One MAX all-reduce over every rank (collective: every rank calls it each step).
-    `memory_excess`: bytes this rank held above its replica's predicted peak."""
+    `memory_excess`: bytes this rank held above its replica's predicted peak. `host_group`:
+    a gloo group over every rank (the engine's `host_group`), which reduces the host numbers
+    where they are; without one they go through the device."""
     shapes = [(len(r.micro_batches), r.pp) for r in it.replicas]
     offsets, o = [], 0
     for n, pp in shapes:
@@ -106,8 +78,9 @@ def reduce_step(it, local: LocalTimings, wall_s: float, device, memory_excess: f
     values[-3] = memory_excess
     values[-2] = -local.sync_s  # MAX of the negatives: the quickest rank's pull+push
     values[-1] = wall_s
-    values = values.to(device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    if host_group is None:
+        values = to_device(values, device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=host_group)
     v = values.cpu().tolist()
     mbs = [[sum(v[offsets[r] + j * pp + p] for p in range(pp)) for j in range(n)] for r, (n, pp) in enumerate(shapes)]
     # Every rank takes part in every bucket of the pull and the push, so a rank's time there

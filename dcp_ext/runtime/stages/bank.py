@@ -28,7 +28,9 @@ from dcp_ext.runtime.schedule.executor import StageRunner
 from dcp_ext.runtime.schedule.layer_switch import SwitchContext
 from dcp_ext.runtime.stages.alternatives import (AltStage, alternative_types, apply_stage_layers,
                                                  gather_alternative_runs, split_by_layer, switched_layout)
+from dcp_ext.runtime.host_device import reads_lengths_on_host
 from dcp_ext.runtime.stages.groups import GroupRegistry
+from dcp_ext.runtime.stages.meta_build import build_without_parameters, materialize
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Stage:
     runs: list = field(default_factory=list)  # (runs in buffer coordinates, pushes_grad) per parameter
     push_buckets: list = field(default_factory=list)  # per parameter: buckets its gradient pushes into
     runner: StageRunner | None = None  # made once every alternative exists
+    lengths_on_host: bool = True  # its layers read cu_seqlens on the host (host_device.reads_lengths_on_host)
 
 
 class StepStreams:
@@ -69,9 +72,10 @@ class StageBank:
         heads = full_config.num_attention_heads
         self.refactorings = {rep: alternative_types(rep, heads, full_config.num_query_groups or heads)
                              for rep in self.planned} if layer_strategies else {}
-        self.registry = GroupRegistry(self.planned + [a for alts in self.refactorings.values() for a in alts])
-        with torch.device("meta"):
-            full = build_model(full_config, True, True, self.registry.single_rank_collection())
+        self.registry = GroupRegistry(self.planned + [a for alts in self.refactorings.values() for a in alts],
+                                      host_group=device.type == "cuda")
+        full = build_without_parameters(
+            lambda: build_model(full_config, True, True, self.registry.single_rank_collection()))
         self.space = CanonicalSpace(full)
         self.params = torch.empty(0, dtype=self.param_dtype, device=device)
         self.main_grads = torch.empty(0, dtype=torch.float32, device=device)
@@ -106,11 +110,10 @@ class StageBank:
         return config
 
     def _model(self, rep: ReplicaType, config, whole_stage: bool):
+        """The rank's stage of `rep`, its parameters on the meta device until bound."""
         tp_rank, _, pp_rank = rep.coords(self.rank)
-        where = torch.device("meta") if self.device.type == "meta" else contextlib.nullcontext()
-        with where:
-            pre, post = (pp_rank == 0, pp_rank == rep.pp - 1) if whole_stage else (False, False)
-            return self.build_model(config, pre, post, self.registry.collection(rep))
+        pre, post = (pp_rank == 0, pp_rank == rep.pp - 1) if whole_stage else (False, False)
+        return build_without_parameters(lambda: self.build_model(config, pre, post, self.registry.collection(rep)))
 
     def _push_buckets(self, lp: LocalParam) -> list[int]:
         return sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)}
@@ -123,7 +126,8 @@ class StageBank:
         numel = sum(lp.numel for lp in local)
         if numel > self.params.numel():
             self._grow_buffers(numel)
-        stage = Stage(rep, model, config, local, self.sequence_parallel and rep.tp > 1, numel)
+        stage = Stage(rep, model, config, local, self.sequence_parallel and rep.tp > 1, numel,
+                      lengths_on_host=reads_lengths_on_host(model))
         self._bind(stage)
         for lp in local:
             stage.runs.append((tuple(r.shifted(lp.offset) for r in lp.runs), lp.pushes_grad))
@@ -138,11 +142,13 @@ class StageBank:
         model = self._model(rep, self.config(rep), whole_stage=False)
         first, end = rep.stage_range(rep.coords(self.rank)[2], self.num_layers)
         local = map_stage(model, self.space, rep.tp, rep.coords(self.rank)[0], self.gated)
+        shapes = {lp.name: lp.param.shape for lp in local}
+        self._materialize(model, local, lambda lp: self.params.new_empty(0))  # bound per iteration
         alt = AltStage((rep.tp, rep.cp), rep, model, split_by_layer(local, end - first))
         for per_layer in alt.layers:
             alt.buckets.append([])
             for lp in per_layer:
-                alt.shapes[id(lp.param)] = lp.param.shape
+                alt.shapes[id(lp.param)] = shapes[lp.name]
                 alt.buckets[-1].append(self._push_buckets(lp))
                 lp.param.register_post_accumulate_grad_hook(self._grad_hook(lp, alt.buckets[-1][-1]))
         self._hook_modules(model, local)
@@ -156,10 +162,19 @@ class StageBank:
             self._bind(stage)
 
     def _bind(self, stage: Stage) -> None:
+        view = lambda lp: self.params[lp.offset : lp.offset + lp.numel].view(lp.param.shape)  # noqa: E731
+        if self.device.type != "meta" and any(lp.param.is_meta for lp in stage.local):
+            self._materialize(stage.model, stage.local, view)  # its first binding
         for lp in stage.local:
-            shape = lp.param.shape
-            lp.param.data = self.params[lp.offset : lp.offset + lp.numel].view(shape)
-            lp.param.main_grad = self.main_grads[lp.offset : lp.offset + lp.numel].view(shape)
+            lp.param.data = view(lp)
+            lp.param.main_grad = self.main_grads[lp.offset : lp.offset + lp.numel].view(lp.param.shape)
+
+    @staticmethod
+    def _materialize(model, local: list[LocalParam], tensor_for) -> None:
+        """The stage's meta parameters become Parameters on `tensor_for(lp)` (LocalParams follow)."""
+        made = materialize(model, {id(lp.param): tensor_for(lp) for lp in local})
+        for lp in local:
+            lp.param = made.get(id(lp.param), lp.param)
 
     def _hook_modules(self, model, local: list[LocalParam]) -> None:
         """Each module a forward enters waits, before it runs, for the last bucket its

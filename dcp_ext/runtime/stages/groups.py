@@ -6,6 +6,12 @@ the registry walks the planner's finite set of replica types in one deterministi
 order, creates each distinct rank set once, and hands each rank a megatron-core
 `ProcessGroupCollection` for every replica it can be part of. Megatron order inside a
 replica: tp fastest, then cp, then pp.
+
+On GPU runs the registry also creates one gloo group over every rank, last (`host_group`):
+the step's host numbers (its timings) reduce over it without waiting for the device.
+megatron-core's embedding group is not handed to the stages: its one use there, summing
+a tied embedding's initial values over the first and last stage at construction, has
+no values to sum (the pull fills them) and the runtime sums tied gradients at the owner.
 """
 from __future__ import annotations
 
@@ -19,7 +25,9 @@ from dcp_ext.planning.layout import ReplicaType, distinct_groups
 class GroupRegistry:
     """Creates (once) and serves the process groups of a fixed set of replica types."""
 
-    def __init__(self, replica_types: Sequence[ReplicaType]):
+    def __init__(self, replica_types: Sequence[ReplicaType], host_group: bool = False):
+        """host_group: also create a gloo group over every rank (GPU runs; CPU runs use the
+        default group, which is gloo already: `host_group` is then None)."""
         self.replica_types = sorted(set(replica_types), key=ReplicaType.sort_key)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -27,6 +35,7 @@ class GroupRegistry:
         for rank_set in distinct_groups(self.replica_types):
             self._group(rank_set)
         self._collections: dict[ReplicaType, object] = {}
+        self.host_group = dist.new_group(backend="gloo", use_local_synchronization=False) if host_group else None
 
     @property
     def num_groups(self) -> int:
@@ -54,7 +63,7 @@ class GroupRegistry:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         me = self._group((self.rank,))
-        return ProcessGroupCollection(tp=me, cp=me, pp=me, tp_cp=me, mp=me, embd=me, pos_embd=me, dp=me,
+        return ProcessGroupCollection(tp=me, cp=me, pp=me, tp_cp=me, mp=me, embd=None, pos_embd=me, dp=me,
                                       dp_cp=me, intra_dp_cp=me, tp_dp_cp=me)
 
     def collection(self, rep: ReplicaType):
@@ -64,14 +73,14 @@ class GroupRegistry:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         t, c, p = rep.coords(self.rank)
-        first, last = rep.rank_at(t, c, 0), rep.rank_at(t, c, rep.pp - 1)
+        first = rep.rank_at(t, c, 0)
         pgs = ProcessGroupCollection(
             tp=self.group(rep.tp_ranks(c, p)),
             cp=self.group(rep.cp_ranks(t, p)),
             pp=self.group(rep.pp_ranks(t, c)),
             tp_cp=self.group(rep.tp_cp_ranks(p)),
             mp=self.group([rep.rank_at(tt, c, pp) for pp in range(rep.pp) for tt in range(rep.tp)]),
-            embd=self.group(sorted({first, last})),
+            embd=None,  # see the module's note
             pos_embd=self.group([first]),
             dp=self.group([self.rank]),
             dp_cp=self.group(rep.cp_ranks(t, p)),
