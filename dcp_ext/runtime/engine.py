@@ -52,9 +52,8 @@ class AdaptiveEngine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(options.device) if options.device is not None else default_device()
         mcore_compat.ensure_global_memory_buffer()
-        # megatron-core's initialisation on a GPU forks its RNG tracker (on meta parameters:
-        # no values are drawn, the pull gives them), so the tracker must exist before building
-        seed_rng_tracker(options.init_seed, 0, 0)
+        if self.device.type == "cuda":  # megatron-core's GPU initialisation forks its RNG tracker
+            seed_rng_tracker(options.init_seed, 0, 0)  # (on meta parameters: the pull gives the values)
         self.bank = StageBank(replica_types, make_config, build_model, device=self.device,
                               sequence_parallel=options.sequence_parallel, layer_strategies=options.layer_strategies)
         self.server = ParameterServer(

@@ -51,7 +51,7 @@ def transformer_config_from_args(args, **overrides):
         fp16=args.fp16,
         params_dtype=dtype_of(args),
         pipeline_dtype=dtype_of(args),
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=bool(args.use_cpu_initialization) or not torch.cuda.is_available(),
         # Packed (THD) micro-batches vary in length: pipeline stages exchange shapes first.
         variable_seq_lengths=bool(args.reset_attention_mask or args.dcp),
         moe_token_dispatcher_type="alltoall",

@@ -48,6 +48,9 @@ def add_model_flags(parser) -> None:
     g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
     g.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
     g.add_argument("--init-model-with-meta-device", action="store_true")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="draw the initial weights on the CPU, as upstream (a GPU run then starts from the same "
+                        "weights as a CPU run of the same flags); always on without CUDA")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
     g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")

@@ -57,6 +57,8 @@ def build_model_and_optimizer(args, model_provider: Callable):
     pre_process = parallel_state.is_pipeline_first_stage()
     post_process = parallel_state.is_pipeline_last_stage()
     model = model_provider(config, pre_process=pre_process, post_process=post_process)
+    if torch.cuda.is_available():  # as upstream's get_model: weights drawn on the CPU move to the GPU
+        model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(

@@ -227,6 +227,7 @@ class _Simulation:
     def start(self) -> None:
         _define_tensor_type(self)
         _patch_tensor_constructors(self)
+        _keep_parameter_attributes_on_moves(self)
         _patch_torch_cuda(self)
         _patch_distributed(self)
         _enter_mode_in_every_thread(self)
@@ -291,7 +292,7 @@ def _define_tensor_type(sim: _Simulation) -> None:
 
 # ops that take device and host tensors together on a real GPU
 _MIXING_ALLOWED = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_", "aten::_index_put_impl_",
-                   "aten::set_", "aten::_has_compatible_shallow_copy_type", "aten::_foreach_add_",
+                   "aten::set_", "aten::_foreach_add_",
                    "aten::_foreach_add", "aten::_foreach_mul_", "aten::_foreach_div_", "aten::_foreach_lerp_",
                    "aten::_foreach_addcmul_", "aten::_foreach_addcdiv_", "aten::_foreach_sqrt",
                    "aten::_foreach_maximum_", "aten::_foreach_neg", "aten::_foreach_sub_",
@@ -314,6 +315,11 @@ def _dispatch(sim: _Simulation, func, args, kwargs):
     name = _op_name(func)
     if name.startswith("c10d::"):
         return _collective(sim, func, name, args, kwargs)
+    if name == "aten::_has_compatible_shallow_copy_type":
+        # a plain CPU tensor cannot take a wrapped one's contents in place (`p.data = x.cuda()`
+        # on a CPU parameter works on a GPU, not here): say so, rather than half do it
+        if isinstance(args[0], Sim) != isinstance(args[1], Sim):
+            return False
     flat, _ = tree_flatten((args, kwargs))
     on_device = [x for x in flat if isinstance(x, Sim)]
     host = [x for x in flat if isinstance(x, torch.Tensor) and not isinstance(x, Sim) and x.dim() > 0
@@ -471,6 +477,30 @@ def _patch_tensor_constructors(sim: _Simulation) -> None:
         return torch.tensor(data, dtype=dtype or self.dtype).to(device).requires_grad_(requires_grad)
 
     torch.Tensor.new_tensor = new_tensor_on
+
+
+def _keep_parameter_attributes_on_moves(sim: _Simulation) -> None:
+    """`module.cuda()` moves a CPU parameter to a GPU in place (`param.data = ...`), keeping
+    the attributes megatron-core sets on it (tensor_model_parallel, sequence_parallel, ...).
+    A wrapped tensor cannot take a plain one's place, so torch makes a new Parameter and the
+    attributes would be lost: copy them over, as the GPU keeps them."""
+    torch = sim.torch
+    torch.__future__.set_overwrite_module_params_on_conversion(True)  # new Parameters, never set_data
+    apply = torch.nn.Module._apply
+
+    def apply_keeping_attributes(self, fn, recurse=True):
+        before = {(id(m), name): p for m in self.modules() for name, p in m.named_parameters(recurse=False)}
+        out = apply(self, fn, recurse)
+        for m in self.modules():
+            for name, p in m.named_parameters(recurse=False):
+                old = before.get((id(m), name))
+                if old is not None and old is not p:
+                    for attr, value in vars(old).items():
+                        if attr not in ("elem", "_holder"):
+                            setattr(p, attr, value)
+        return out
+
+    torch.nn.Module._apply = apply_keeping_attributes
 
 
 # --------------------------------------------------------------------- collectives

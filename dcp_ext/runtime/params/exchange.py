@@ -248,9 +248,6 @@ class _Pending:
     def __init__(self, exchange: ParamExchange, work, finish):
         self.exchange, self.work, self.finish = exchange, work, finish
 
-    def done(self) -> bool:
-        return self.work.is_completed()
-
     def wait(self) -> None:
         self.work.wait()  # NCCL: the compute stream waits, not the host (the streams time it)
         self.finish()
@@ -259,9 +256,6 @@ class _Pending:
 class _Done:
     def __init__(self, run):
         self.run = run
-
-    def done(self) -> bool:
-        return True
 
     def wait(self) -> None:
         self.run()

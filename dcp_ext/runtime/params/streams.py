@@ -86,13 +86,17 @@ class PushStream:
         self._issue()
 
     def _issue(self, force: bool = False) -> None:
-        """Send every complete bucket there is a free slot for. Inside backward this never
-        blocks (a full slot waits for a later call): a peer stage may be waiting on this
-        rank's activation gradient before it can join the transfer."""
+        """Send every complete bucket there is a free slot for. Inside backward a slot never
+        frees (a full one waits for `finish`): a peer stage may be waiting on this rank's
+        activation gradient before it can join the transfer, and whether a transfer has
+        completed depends on timing, so freeing one when it happened to be done would issue
+        the next bucket at a different point on each rank: on NCCL, ranks that issue their
+        collectives over two communicators in different orders can hang each other
+        (tests/test_device_paths.py checks the order)."""
         slots = self.exchange.num_slots
         while self.next >= 0 and (force or self.pending[self.next] <= 0):
             if len(self.inflight) == slots:
-                if not (force or self.inflight[0].done()):
+                if not force:
                     return
                 with _waiting(self.clock):
                     self.inflight.popleft().wait()

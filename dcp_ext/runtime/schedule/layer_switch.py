@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dcp_ext.runtime.host_device import to_device
+
 from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 Strategy = tuple[int, int]  # (tp, cp)
@@ -90,7 +92,8 @@ def _apply(route: Route, x: torch.Tensor, group) -> torch.Tensor:
     rows = x.reshape(x.shape[0], -1)
     width = rows.shape[1]
     if route.send_index.device != x.device:  # once per route: the indices live on the model's device
-        route.send_index, route.recv_index = route.send_index.to(x.device), route.recv_index.to(x.device)
+        route.send_index, route.recv_index = to_device(route.send_index, x.device), to_device(route.recv_index,
+                                                                                              x.device)
     send = rows[route.send_index].contiguous()
     recv = torch.empty(sum(route.recv_counts), width, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send, route.recv_counts, route.send_counts, group=group)

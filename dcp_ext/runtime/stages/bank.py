@@ -143,7 +143,7 @@ class StageBank:
         first, end = rep.stage_range(rep.coords(self.rank)[2], self.num_layers)
         local = map_stage(model, self.space, rep.tp, rep.coords(self.rank)[0], self.gated)
         shapes = {lp.name: lp.param.shape for lp in local}
-        self._materialize(model, local, lambda lp: self.params.new_empty(0))  # bound per iteration
+        self._materialize(model, local)  # empty until an iteration binds its layers
         alt = AltStage((rep.tp, rep.cp), rep, model, split_by_layer(local, end - first))
         for per_layer in alt.layers:
             alt.buckets.append([])
@@ -162,17 +162,19 @@ class StageBank:
             self._bind(stage)
 
     def _bind(self, stage: Stage) -> None:
-        view = lambda lp: self.params[lp.offset : lp.offset + lp.numel].view(lp.param.shape)  # noqa: E731
-        if self.device.type != "meta" and any(lp.param.is_meta for lp in stage.local):
-            self._materialize(stage.model, stage.local, view)  # its first binding
-        for lp in stage.local:
-            lp.param.data = view(lp)
-            lp.param.main_grad = self.main_grads[lp.offset : lp.offset + lp.numel].view(lp.param.shape)
+        shapes = [lp.param.shape for lp in stage.local]
+        if any(lp.param.is_meta for lp in stage.local):
+            self._materialize(stage.model, stage.local)  # its first binding
+        for lp, shape in zip(stage.local, shapes):
+            lp.param.data = self.params[lp.offset : lp.offset + lp.numel].view(shape)
+            lp.param.main_grad = self.main_grads[lp.offset : lp.offset + lp.numel].view(shape)
 
-    @staticmethod
-    def _materialize(model, local: list[LocalParam], tensor_for) -> None:
-        """The stage's meta parameters become Parameters on `tensor_for(lp)` (LocalParams follow)."""
-        made = materialize(model, {id(lp.param): tensor_for(lp) for lp in local})
+    def _materialize(self, model, local: list[LocalParam]) -> None:
+        """The stage's meta parameters become empty Parameters on the bank's device, to be
+        bound (LocalParams follow); on the meta device (scale checks) they stay as built."""
+        if self.device.type == "meta":
+            return
+        made = materialize(model, {id(lp.param): self.params for lp in local})
         for lp in local:
             lp.param = made.get(id(lp.param), lp.param)
 

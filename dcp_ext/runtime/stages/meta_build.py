@@ -22,10 +22,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 
+_EMPTY = torch._C._VariableFunctions.empty  # torch.empty itself, whatever wraps the name
+
+
 class _ParametersOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.empty:
+        if func is _EMPTY:
             kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
             kwargs["device"] = "meta"
         return func(*args, **kwargs)
@@ -56,18 +59,21 @@ def check_built(model: torch.nn.Module) -> None:
                                    "values on the meta device: make it with another factory or after building")
 
 
-def materialize(model: torch.nn.Module, old_to_new: dict[int, torch.Tensor]) -> dict[int, torch.nn.Parameter]:
-    """Replace the meta parameters whose id is in `old_to_new` by Parameters on the given
-    tensors, in every module that holds them (tied weights stay tied), with the old ones'
-    attributes (tensor_model_parallel, sequence_parallel, shared, ...). Returns id(old) -> new."""
+def materialize(model: torch.nn.Module, like: dict[int, torch.Tensor]) -> dict[int, torch.nn.Parameter]:
+    """Replace the meta parameters whose id is in `like` by empty Parameters on the device
+    of the given tensor (the caller binds their `.data`, as for every later binding), in
+    every module that holds them (tied weights stay tied), with the old ones' attributes
+    (tensor_model_parallel, sequence_parallel, shared, ...). Returns id(old) -> new.
+    Each new Parameter has a version counter of its own, as a bound parameter had before:
+    the pull's writes into the shared buffer are not in-place changes of a saved weight."""
     made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in old_to_new:
+            if id(p) not in like:
                 continue
             new = made.get(id(p))
             if new is None:
-                new = torch.nn.Parameter(old_to_new[id(p)], requires_grad=p.requires_grad)
+                new = torch.nn.Parameter(like[id(p)].new_empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
                 for attr, value in vars(p).items():
                     setattr(new, attr, value)
                 made[id(p)] = new
