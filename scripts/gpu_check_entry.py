@@ -13,8 +13,9 @@ the run's tensors live (scripts/gpu_check.py, phase b).
   wrapped here (not in their files): "in step" counts what `run` does, "after step" what the
   loop does before the next `run` (the log line, evaluation).
 - Tensors: after step `--scan-at` (1-based) every tensor Python can reach (`gc`) is counted
-  by device; a CPU tensor that is a parameter, requires grad, or is floating point with
-  >= 1024 elements is an offender when the run is on a GPU.
+  by device; on a GPU run a CPU tensor that is a parameter, requires grad, or is floating
+  point with >= OFFENDER_MIN_NUMEL elements (and not pinned: a host staging buffer) is an
+  offender.
 - `--static-cpu-init`: the static path initialises its weights on the CPU so that a GPU run
   starts from the CPU run's weights (the --dcp path draws its initial values on the CPU on
   every device already): upstream's `--use-cpu-initialization` where the parser takes it,
@@ -36,7 +37,9 @@ from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
-OFFENDER_MIN_NUMEL = 1024
+# a CPU tensor this large on a GPU run is model-sized (the smallest weight of gpu_check's model
+# has 65,536 elements); a micro-batch's host-side loss mask or positions stay below it
+OFFENDER_MIN_NUMEL = 65536
 
 
 def _torch_dir() -> str:
@@ -160,8 +163,8 @@ def scan_tensors(on_gpu: bool) -> dict:
                 kind = f"{'parameter ' if param else ''}{str(obj.dtype).replace('torch.', '')}{list(obj.shape)}"
                 cpu_kinds[kind] += 1
                 cpu_bytes[kind] += obj.numel() * obj.element_size()
-                if on_gpu and (param or obj.requires_grad or (obj.is_floating_point()
-                                                               and obj.numel() >= OFFENDER_MIN_NUMEL)):
+                large_float = obj.is_floating_point() and obj.numel() >= OFFENDER_MIN_NUMEL
+                if on_gpu and (param or obj.requires_grad or (large_float and not obj.is_pinned())):
                     offenders[kind] += 1
                     offender_bytes[kind] += obj.numel() * obj.element_size()
         except Exception:  # an object that only looks like a tensor, or one being torn down
@@ -171,7 +174,7 @@ def scan_tensors(on_gpu: bool) -> dict:
                                     for k, b in cpu_bytes.most_common(12)],
             "offenders": [{"tensor": k, "count": n, "bytes": offender_bytes[k]} for k, n in offenders.most_common(20)],
             "offender_rule": f"on a GPU run: a CPU tensor that is a parameter, requires grad, or is floating point "
-                             f"with >= {OFFENDER_MIN_NUMEL} elements"}
+                             f"with >= {OFFENDER_MIN_NUMEL} elements and not pinned"}
 
 
 def has_cpu_initialization_flag() -> bool:
