@@ -87,6 +87,7 @@ def _sync_line(step_syncs: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------ the static path
+@pytest.mark.slow
 def test_static_path_trains_on_the_device_as_on_the_cpu(shim, text_corpus, tmp_path):
     flags = TINY_MODEL + ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
                           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -113,6 +114,7 @@ def test_static_path_trains_on_the_device_as_on_the_cpu(shim, text_corpus, tmp_p
 
 
 # ------------------------------------------------------------------ --dcp, the real entry point
+@pytest.mark.slow
 def test_dcp_at_a_four_rank_layout_builds_its_share_and_waits_twice_a_step(shim, text_corpus, tmp_path):
     flags = TINY_MODEL + ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
                           "--dcp", "--dcp-planner", "static", "--tensor-model-parallel-size", "2",
@@ -143,6 +145,7 @@ def test_dcp_at_a_four_rank_layout_builds_its_share_and_waits_twice_a_step(shim,
 
 
 # ------------------------------------------------------------------ the engine through layouts
+@pytest.mark.slow
 def test_engine_through_layouts_on_the_device_matches_the_cpu(shim, tmp_path):
     sim, cpu = tmp_path / "sim", tmp_path / "cpu"
     got = run_fresh(4, [str(sim)], env={"SIMULATED_CUDA": "1", "SIMULATED_CUDA_SHIM": shim}, timeout=900,
@@ -259,3 +262,10 @@ def test_an_order_of_collectives_that_can_hang_is_found():
     p2p_fine = {0: [("world", "c10d::send", 1), ("tp", "c10d::allreduce_", None)],
                 1: [("world", "c10d::recv_", 0), ("tp", "c10d::allreduce_", None)]}
     assert order_cycle(p2p_fine, groups) is None
+    # 1F1B's paired send and receive, one batch_isend_irecv each side: one launch, no cycle
+    paired = {0: [("world", "c10d::send", 1, 7), ("world", "c10d::recv_", 1, 7)],
+              1: [("world", "c10d::send", 0, 9), ("world", "c10d::recv_", 0, 9)]}
+    assert order_cycle(paired, groups) is None
+    unpaired = {0: [("world", "c10d::send", 1, None), ("world", "c10d::recv_", 1, None)],
+                1: [("world", "c10d::send", 0, None), ("world", "c10d::recv_", 0, None)]}
+    assert order_cycle(unpaired, groups) is not None

@@ -187,6 +187,8 @@ class _Simulation:
         self.last_sync = 0.0  # perf_counter of the last host wait for the device
         self.raise_faults = True
         self.group_ranks: dict[str, list[int]] = {}  # group name -> its global ranks
+        self.batch = None  # the id of the batch_isend_irecv being issued, if any
+        self.batches = 0
 
     # ----------------------------------------------------------- bookkeeping
     def record_sync(self, kind: str, op: str = "") -> None:
@@ -523,7 +525,7 @@ def _collective(sim: _Simulation, func, name, args, kwargs):
                                       f"{tuple(hosts[0].shape)} {hosts[0].dtype}")
         if name != "c10d::barrier" and name != "c10d::monitored_barrier_":
             peer = _peer(name, args) if name in _P2P else None
-            sim.collective_log.append((group_name, name, peer))
+            sim.collective_log.append((group_name, name, peer, sim.batch))
     return func(*tree_map(lambda x: x.elem if isinstance(x, Sim) else x, args),
                 **tree_map(lambda x: x.elem if isinstance(x, Sim) else x, kwargs))
 
@@ -555,13 +557,25 @@ def order_cycle(per_rank: dict[int, list], group_ranks: dict[str, list[int]]) ->
     collective; a rank's issue order adds edges between the instances; a cycle means some
     ranks wait on each other across communicators (with one hardware queue,
     CUDA_DEVICE_MAX_CONNECTIONS=1, a hang). Point-to-point ops pair the k-th send from a to
-    b with the k-th receive on b from a. Returns a cycle (instance names) or None.
-    `per_rank`: rank -> [(group, op, peer)], `group_ranks`: group -> its global ranks."""
-    edges: dict[tuple, set] = {}
+    b with the k-th receive on b from a; the ops of one `batch_isend_irecv` (a batch id)
+    run as one. Returns a cycle (instance names) or None.
+    `per_rank`: rank -> [(group, op, peer[, batch])], `group_ranks`: group -> its global ranks."""
+    parent: dict = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    order: dict[int, list] = {}
     for rank, ops in per_rank.items():
         counts: dict = {}
-        previous = None
-        for group, op, peer in ops:
+        seq = []
+        for entry in ops:
+            group, op, peer = entry[:3]
+            batch = entry[3] if len(entry) > 3 else None
             if op in _P2P and peer is not None:
                 members = group_ranks.get(group)
                 other = members[peer] if members else peer
@@ -571,10 +585,19 @@ def order_cycle(per_rank: dict[int, list], group_ranks: dict[str, list[int]]) ->
             k = counts.get(channel, 0)
             counts[channel] = k + 1
             node = channel + (k,)
-            edges.setdefault(node, set())
-            if previous is not None and previous != node:
-                edges[previous].add(node)
-            previous = node
+            find(node)
+            if batch is not None and seq and seq[-1][1] == batch:
+                parent[find(node)] = find(seq[-1][0])  # one launch: one node
+            seq.append((node, batch))
+        order[rank] = [node for node, _ in seq]
+    edges: dict = {}
+    for nodes in order.values():
+        roots = [find(n) for n in nodes]
+        for a, b in zip(roots, roots[1:]):
+            edges.setdefault(a, set())
+            if a != b:
+                edges[a].add(b)
+            edges.setdefault(b, set())
     state_of: dict = {}
     stack: list = []
 
@@ -756,6 +779,19 @@ def _patch_distributed(sim: _Simulation) -> None:
 
     dist.init_process_group = init_process_group
     c10d.init_process_group = init_process_group
+
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def batched(p2p_op_list):  # one NCCL group launch: the order check treats it as one op
+        sim.batches += 1
+        sim.batch = sim.batches
+        try:
+            return batch_isend_irecv(p2p_op_list)
+        finally:
+            sim.batch = None
+
+    dist.batch_isend_irecv = batched
+    c10d.batch_isend_irecv = batched
 
     new_group = dist.new_group
 

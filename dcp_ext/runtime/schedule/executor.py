@@ -9,7 +9,10 @@ count for its forward only (megatron-core reads it at forward time; restored aft
 The engine's pull and push streams ride along: every pull must be complete before a
 stage blocks on a peer (its first receive) or sends its first activation, since all
 ranks take part in every bucket; the push starts tracking final gradients when the last
-micro-batch's backward begins.
+micro-batch's backward begins, on a pipeline's first stage (and every single-stage replica)
+only: a later stage still sends that backward's gradient to the stage before it, and a push
+issued before that send would put the world's transfers and the pipeline's on its two ranks
+in opposite orders (NCCL can hang on that), so later stages push once they are done.
 """
 from __future__ import annotations
 
@@ -176,7 +179,7 @@ class StageRunner:
 
         def backward(grad):
             backwards[0] += 1
-            if backwards[0] == n:
+            if backwards[0] == n and self.first:  # later stages: after their last send (see above)
                 push.last_backward()
             x, out = pending.popleft()
             with clock.timing(backwards[0] - 1):

@@ -116,8 +116,14 @@ class StageBank:
         return build_without_parameters(lambda: self.build_model(config, pre, post, self.registry.collection(rep)))
 
     def _push_buckets(self, lp: LocalParam) -> list[int]:
-        return sorted({b for r in lp.runs for b in self.sharding.buckets_of(r.canon, r.canon_end)}
-                      ) if lp.pushes_grad else []
+        """The buckets a parameter's gradient holds back: those of its whole canonical tensor
+        (not this rank's slice, which a bucket boundary can put elsewhere on each TP rank),
+        whether or not this rank sends it (a TP replica of a norm is sent by TP rank 0
+        only). So a bucket goes out at the same point of the backward on every rank of a
+        replica, which NCCL needs: ranks must issue their collectives over two communicators
+        in one order (tests/test_device_paths.py checks it)."""
+        t = self.space.tensors[lp.canonical]
+        return sorted(self.sharding.buckets_of(t.offset, t.offset + t.numel))
 
     def _build_stage(self, rep: ReplicaType) -> Stage:
         config = self.config(rep)
@@ -212,7 +218,7 @@ class StageBank:
             param.main_grad.add_(param.grad)
             param.grad = None
             push = self.streams.push
-            if push is not None and push.tracking and lp.pushes_grad:
+            if push is not None and push.tracking:
                 push.ready(buckets)
         return hook
 
