@@ -18,9 +18,7 @@ the run's tensors live (scripts/gpu_check.py, phase b).
   offender.
 - `--static-cpu-init`: the static path initialises its weights on the CPU so that a GPU run
   starts from the CPU run's weights (the --dcp path draws its initial values on the CPU on
-  every device already): upstream's `--use-cpu-initialization` where the parser takes it,
-  else megatron-core's `use_cpu_initialization` set in the static path's config here and the
-  model moved with `.cuda()`. A no-op without CUDA.
+  every device already): upstream's `--use-cpu-initialization`. A no-op without CUDA.
 
 The report (JSON) is written when main() returns or exits, whatever its exit code.
 """
@@ -177,43 +175,6 @@ def scan_tensors(on_gpu: bool) -> dict:
                              f"with >= {OFFENDER_MIN_NUMEL} elements and not pinned"}
 
 
-def has_cpu_initialization_flag() -> bool:
-    """Whether this fork's parser takes upstream's --use-cpu-initialization."""
-    import argparse
-
-    from megatron.training import model_flags
-
-    parser = argparse.ArgumentParser(add_help=False)
-    model_flags.add_model_flags(parser)
-    try:
-        known, rest = parser.parse_known_args(["--use-cpu-initialization"])
-    except SystemExit:
-        return False
-    return not rest and bool(getattr(known, "use_cpu_initialization", False))
-
-
-def patch_static_cpu_init() -> None:
-    """The static path's weights drawn on the CPU (as on a CPU run), then moved to the GPU."""
-    import torch
-
-    import pretrain_gpt_dcp
-    from megatron.training import training
-
-    make_config = training.transformer_config_from_args
-    provider = pretrain_gpt_dcp.model_provider
-
-    def config_on_cpu(args, **overrides):
-        config = make_config(args, **overrides)
-        config.use_cpu_initialization = True
-        return config
-
-    def model_on_gpu(config, *a, **k):
-        return provider(config, *a, **k).cuda(torch.cuda.current_device())
-
-    training.transformer_config_from_args = config_on_cpu  # build_model_and_optimizer's: the static path's
-    pretrain_gpt_dcp.model_provider = model_on_gpu
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -245,12 +206,8 @@ def main(argv=None) -> int:
                                                            "needs a GPU (the CPU is always synchronous)",
               "static_cpu_init": cpu_init, "steps_wrapped": 0, "path": None, "tensor_scan": None}
     if cpu_init:
-        if has_cpu_initialization_flag():
-            flags = flags + ["--use-cpu-initialization"]
-            report["static_cpu_init"] = "--use-cpu-initialization"
-        else:
-            patch_static_cpu_init()
-            report["static_cpu_init"] = "patched: use_cpu_initialization in the static path's config, then .cuda()"
+        flags = flags + ["--use-cpu-initialization"]
+        report["static_cpu_init"] = "--use-cpu-initialization"
 
     def wrap(cls, path: str):
         original = cls.run

@@ -76,6 +76,16 @@ def pytest_sessionstart(session):
         pass
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The figures tests noted for the record (tests/session_notes.py)."""
+    from tests.session_notes import NOTES
+
+    for section, lines in NOTES.items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
     import psutil

@@ -30,6 +30,7 @@ import pytest
 
 from tests.conftest import TINY_MODEL
 from tests.helpers import REPO, read_loss_log, run_fresh, run_ranks
+from tests.session_notes import note
 
 SIM = os.path.join(REPO, "tests", "simulated_cuda")
 ENTRY = os.path.join(SIM, "entry.py")
@@ -38,6 +39,7 @@ SCENARIO = os.path.join(SIM, "scenario.py")
 # decide the update), and reading its timings after the last kernel
 ALLOWED_SYNC_SITES = ("dcp_ext/runtime/engine.py", "dcp_ext/runtime/device_clock.py")
 ALLOWED_PER_STEP = 2
+NOTE = "the GPU code paths on the simulated device (tests/test_device_paths.py)"
 
 pytestmark = pytest.mark.dist
 
@@ -62,8 +64,14 @@ def _sim_env(shim, prefix) -> dict:
 
 
 def _failure(proc) -> str:
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "Error" in ln or "error" in ln]
-    return "\n".join(lines[-8:]) or proc.stderr[-3000:]
+    """The ranks' own error lines (not torchrun's summary)."""
+    import re
+
+    text = proc.stderr + proc.stdout
+    lines = [ln for ln in text.splitlines()
+             if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Mismatch|Collective|NotReady)\b", ln)
+             or "error: " in ln]
+    return "\n".join(dict.fromkeys(lines[-12:])) or text[-3000:]
 
 
 def _order_ok(reports: list[dict], steps_of) -> None:
@@ -129,16 +137,16 @@ def test_dcp_at_a_four_rank_layout_builds_its_share_and_waits_twice_a_step(shim,
     assert all(not r["faults"] for r in reports), [r["faults"] for r in reports]
     for rank, r in enumerate(reports):
         b = r["build"]
-        print(f"rank {rank}: {b['peak']:,} bytes allocated at most while building, {b['at_rest']:,} at rest, "
-              f"{r['after_first_step']['allocated']:,} after the first step (the optimizer's moments then exist); "
-              f"the cost model charges {b['charge']:,.0f}")
+        note(NOTE, f"--dcp tp2·cp2, rank {rank}: {b['peak']:,} bytes allocated at most while building, "
+                   f"{b['at_rest']:,} at rest, {r['after_first_step']['allocated']:,} after the first step (the "
+                   f"optimizer's moments then exist); the cost model charges {b['charge']:,.0f}")
         assert b["peak"] <= 1.05 * b["charge"], (rank, b)
         assert abs(r["after_first_step"]["allocated"] - b["charge"]) <= 0.05 * b["charge"], (rank, r)
     for rank, r in enumerate(reports):
         for step in r["steps"]:
             line = _sync_line(step["syncs"])
             if rank == 0:
-                print(f"iteration {step['iteration']}: {line}")
+                note(NOTE, f"--dcp tp2·cp2, iteration {step['iteration']}: {line}")
             assert len(step["syncs"]) <= ALLOWED_PER_STEP, (rank, step["iteration"], line)
             assert all(s["site"].startswith(ALLOWED_SYNC_SITES) for s in step["syncs"]), (rank, line)
     _order_ok(reports, lambda r: r["steps"])
@@ -161,6 +169,8 @@ def test_engine_through_layouts_on_the_device_matches_the_cpu(shim, tmp_path):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (rank, a["name"], a["loss"], b["loss"])
             assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (rank, a["name"])
             line = _sync_line(a["syncs"])
+            if rank == 0:
+                note(NOTE, f"engine, {a['name']}: loss {a['loss']:.6f} (CPU {b['loss']:.6f}), {line}")
             assert len(a["syncs"]) <= ALLOWED_PER_STEP, (rank, a["name"], line)
             assert not any("host-to-device" in s["kind"] for s in a["syncs"]), (rank, a["name"], line)
         assert d["build"]["peak"] <= 1.05 * d["build"]["persistent"], (rank, d["build"])
