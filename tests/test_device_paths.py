@@ -137,10 +137,13 @@ def test_dcp_at_a_four_rank_layout_builds_its_share_and_waits_twice_a_step(shim,
     assert all(not r["faults"] for r in reports), [r["faults"] for r in reports]
     for rank, r in enumerate(reports):
         b = r["build"]
-        note(NOTE, f"--dcp tp2·cp2, rank {rank}: {b['peak']:,} bytes allocated at most while building, "
-                   f"{b['at_rest']:,} at rest, {r['after_first_step']['allocated']:,} after the first step (the "
-                   f"optimizer's moments then exist); the cost model charges {b['charge']:,.0f}")
-        assert b["peak"] <= 1.05 * b["charge"], (rank, b)
+        note(NOTE, f"--dcp tp2·cp2, rank {rank}: {b['allocated_total']:,} bytes allocated while building (freed or "
+                   f"not; {b['peak']:,} at once at most), {b['at_rest']:,} at rest, "
+                   f"{r['after_first_step']['allocated']:,} after the first step (the optimizer's moments then "
+                   f"exist); the cost model charges {b['charge']:,.0f}")
+        # every byte it allocated, not only the peak: a whole model built and freed before the
+        # buffers would not raise the peak of a model this small
+        assert b["allocated_total"] <= 1.05 * b["charge"], (rank, b)
         assert abs(r["after_first_step"]["allocated"] - b["charge"]) <= 0.05 * b["charge"], (rank, r)
     for rank, r in enumerate(reports):
         for step in r["steps"]:
@@ -173,10 +176,11 @@ def test_engine_through_layouts_on_the_device_matches_the_cpu(shim, tmp_path):
                 note(NOTE, f"engine, {a['name']}: loss {a['loss']:.6f} (CPU {b['loss']:.6f}), {line}")
             assert len(a["syncs"]) <= ALLOWED_PER_STEP, (rank, a["name"], line)
             assert not any("host-to-device" in s["kind"] for s in a["syncs"]), (rank, a["name"], line)
-        assert d["build"]["peak"] <= 1.05 * d["build"]["persistent"], (rank, d["build"])
-        # the norm in float64 chunks: a float64 copy of the shard alone is 8 bytes per element,
-        # more than a whole step's transient beyond its state (torch's foreach AdamW keeps one
-        # fp32 temporary, 4 bytes per element); the first step also creates Adam's moments
+        assert d["build"]["allocated_total"] <= 1.05 * d["build"]["persistent"], (rank, d["build"])
+        # the norm in float64 chunks (4096 elements here): never a float64 copy of the shard,
+        # 8 bytes per element; the update's own transient stays below one too (torch's foreach
+        # AdamW keeps one fp32 temporary; the first step also creates Adam's moments)
+        assert max(d["norm_transient"]) < 4 * d["shard_numel"], (rank, d["norm_transient"], d["shard_numel"])
         assert max(d["optimizer_transient"][1:]) < 8 * d["shard_numel"], (rank, d["optimizer_transient"])
     _order_ok(on_device, lambda r: r["steps"])
 

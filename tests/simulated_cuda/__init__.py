@@ -182,6 +182,7 @@ class _Simulation:
         self.host_groups: set[str] = set()  # names of groups created with backend "gloo"
         self.allocated = 0
         self.peak = 0
+        self.allocated_total = 0  # every byte ever allocated, freed or not
         self._storages: dict[int, list] = {}  # storage id -> [bytes, wrappers alive]
         self._lock = threading.Lock()
         self.last_sync = 0.0  # perf_counter of the last host wait for the device
@@ -210,6 +211,7 @@ class _Simulation:
             if entry is None:
                 entry = self._storages[key] = [nbytes, 0]
                 self.allocated += nbytes
+                self.allocated_total += nbytes
                 self.peak = max(self.peak, self.allocated)
             entry[1] += 1
         return [key]

@@ -62,7 +62,7 @@ def _observe_build() -> None:
     build = training_adaptive.AdaptiveRun.build
 
     def observed(self, peak_memory):
-        before = sim.allocated
+        before, total_before = sim.allocated, sim.allocated_total
         sim.peak = sim.allocated
         try:
             return build(self, peak_memory)
@@ -73,6 +73,7 @@ def _observe_build() -> None:
             charge = max((cm.state_bytes(t.layout) for t in mine), default=0.0) - cm.communicator_bytes
             held = getattr(self, "engine", None)
             report["build"] = {"before": before, "peak": sim.peak, "at_rest": sim.allocated,
+                               "allocated_total": sim.allocated_total - total_before,
                                "charge": charge, "adam_moments": 8.0 * held.optimizer.flat.numel() if held else None,
                                "engine_persistent": sum(held.persistent_bytes().values()) if held else None}
             _write()

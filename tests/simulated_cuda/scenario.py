@@ -102,11 +102,12 @@ def main(prefix: str) -> None:
     args = tiny_args(dist.get_world_size())
     report = {"steps": [], "simulated": SIMULATED}
     if SIMULATED:
-        sim.peak = sim.allocated
+        sim.peak, total_before = sim.allocated, sim.allocated_total
     engine = make_engine(args, replica_types(), sequence_parallel=True, layer_strategies=True, overlap=True,
                          bucket_numel=8192)
     if SIMULATED:
         report["build"] = {"peak": sim.peak, "at_rest": sim.allocated,
+                           "allocated_total": sim.allocated_total - total_before,
                            "persistent": sum(engine.persistent_bytes().values())}
         report["shard_numel"] = engine.optimizer.flat.numel()
         step = engine.server.step
@@ -120,6 +121,20 @@ def main(prefix: str) -> None:
                 report.setdefault("optimizer_transient", []).append(sim.peak - before)
 
         engine.server.step = observed_step
+        from dcp_ext.runtime.params import sharded_optimizer
+
+        sharded_optimizer.NORM_CHUNK = 4096  # well below the shard: a copy of it would show
+        square_sum = engine.optimizer.grad_square_sum
+
+        def observed_square_sum():  # the gradient norm's transient
+            before = sim.allocated
+            sim.peak = before
+            try:
+                return square_sum()
+            finally:
+                report.setdefault("norm_transient", []).append(sim.peak - before)
+
+        engine.optimizer.grad_square_sum = observed_square_sum
     for index, (name, replicas, switching) in enumerate(STEPS):
         docs = random_docs(16, seed=70 + index, lo=5, hi=90)
         it = plan(index, replicas, switching, len(docs))
