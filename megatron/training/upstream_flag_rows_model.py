@@ -21,7 +21,6 @@ MODEL_ROWS = [
     ('--expert-tensor-parallel-size', 'value', 'int', '', None, (), 'moe'),
     ('--expert-tensor-parallel-num-weight-shards', 'value', 'int', '', None, (), 'moe'),
     ('--no-initialization', 'store_false', '', '', True, (), 'no_init'),
-    ('--use-cpu-initialization', 'store_true', '', '', None, (), 'init'),
     ('--deterministic-mode', 'store_true', '', '', False, (), 'determinism'),
     ('--tp-comm-overlap', 'store_true', '', '', False, (), 'comm'),
     ('--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad', 'store_false', '', '', True, (), 'comm'),
