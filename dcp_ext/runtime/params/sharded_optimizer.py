@@ -65,12 +65,17 @@ class ShardedOptimizer:
             self.pieces.append(p)
         decoupled = o.decoupled_lr is not None
         groups = []
-        # the default-schedule groups first: the log line reads param_groups[0]'s LR
+        # the default-schedule groups first; every schedule there is gets a group on every
+        # rank, an empty one where the shard holds none of its parameters: the log line reads
+        # each schedule's LR from whichever rank logs (a rank holding only the output layer's
+        # elements under --decoupled-lr logged NaN)
         for is_dec in ((False, True) if decoupled else (False,)):
+            kinds = []
             for nwd in (False, True):
                 params = [p for p, (_, _, n, d) in zip(self.pieces, self.runs) if n == nwd and (d and decoupled) == is_dec]
-                if not params:
-                    continue
+                if params:
+                    kinds.append((nwd, params))
+            for nwd, params in kinds or [(False, [torch.nn.Parameter(self.flat[:0])])]:
                 g = {"params": params, "wd_mult": 0.0 if nwd else 1.0, "lr_mult": 1.0, "is_decoupled_lr": is_dec,
                      "default_config": not is_dec, "max_lr": o.lr, "min_lr": o.min_lr}
                 if nwd:
@@ -80,9 +85,6 @@ class ShardedOptimizer:
                     if o.decoupled_min_lr is not None:
                         g["min_lr"] = o.decoupled_min_lr
                 groups.append(g)
-        if not groups:  # an empty shard (more ranks than elements): keep the schedulers' shape
-            groups = [{"params": [torch.nn.Parameter(self.flat[:0])], "wd_mult": 1.0, "lr_mult": 1.0,
-                       "default_config": True, "max_lr": o.lr, "min_lr": o.min_lr}]
         if o.optimizer == "sgd":
             self.inner = torch.optim.SGD(groups, lr=o.lr, weight_decay=o.weight_decay, momentum=o.sgd_momentum,
                                          foreach=self.flat.is_cuda)
