@@ -96,7 +96,7 @@ def megatron_scale_trajectory(initial, skipped, window, hysteresis, min_scale=1.
 
 @pytest.mark.dist
 def test_fp16_dynamic_loss_scaling_skips_overflow_steps(root, fp32_reference):
-    initial, window, iters = 2.0 ** 24, 4, 28
+    initial, window, iters = 2.0 ** 32, 4, 28  # upstream's --initial-loss-scale
     batch = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters)]
     got, stdout = run(root, "fp16", 2, ["--fp16", "--use-distributed-optimizer", "--initial-loss-scale", str(initial),
                                         "--hysteresis", "1", "--loss-scale-window", str(window)], batch)
@@ -105,11 +105,14 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps(root, fp32_reference):
     assert [r["iteration"] for r in got] == list(range(1, iters + 1))
     skipped = [r["skipped"] for r in got]
     scales = [r["loss scale"] for r in got]
-    assert skipped[0], "2**24 times a logit gradient of ~1 overflows fp16: the first step must be skipped"
+    # the loss is divided by the global batch's tokens before the backward (as upstream's mean
+    # is): a logit's gradient is then ~1/tokens, and a scale above 2 * FP16_MAX * tokens cannot fit
+    tokens = 8 * 128
+    assert skipped[0], "2**32 times a logit gradient of ~1/1024 overflows fp16: the first step must be skipped"
     assert scales[0] == initial / 2
     assert scales == megatron_scale_trajectory(initial, skipped, window, hysteresis=1)
     before = [initial] + scales[:-1]
-    assert all(s for s, b in zip(skipped, before) if b > 2 * FP16_MAX), "a scale this large cannot fit fp16"
+    assert all(s for s, b in zip(skipped, before) if b > 2 * FP16_MAX * tokens), "a scale this large cannot fit fp16"
     assert sum(not s for s in skipped) >= 5, "the scale must come down far enough to train"
     for r in got:
         assert math.isfinite(r["lm loss"])
@@ -125,6 +128,23 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps(root, fp32_reference):
     for r in got:
         line = lines[r["iteration"]]
         assert line["loss scale"] == r["loss scale"] and line["skipped"] == int(r["skipped"]) and line["nan"] == 0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("path", ["static", "dcp"])
+def test_fp16_with_upstreams_constant_loss_scale_trains(root, path):
+    """--fp16 --loss-scale 8192 (upstream's sc21 line): sized for a mean loss. The per-token
+    loss is divided by the global batch's tokens before the backward on both paths, so no
+    step overflows and the loss falls (it was every step skipped, grad norm nan, static)."""
+    extra = ["--fp16", "--loss-scale", "8192", "--tensor-model-parallel-size", "2"]
+    extra += ["--dcp", "--dcp-global-batch-tokens", "1024", "--dcp-max-seq-len", "128"] if path == "dcp" else []
+    got, _ = run(root, f"fp16-const-{path}", 2, extra, ["--micro-batch-size", "2", "--global-batch-size", "8",
+                                                        "--train-iters", "6"])
+    assert [r["iteration"] for r in got] == list(range(1, 7))
+    for r in got:
+        assert not r["skipped"] and r["loss scale"] == 8192.0, r
+        assert r["grad norm"] is not None and math.isfinite(r["grad norm"]), r
+    assert got[-1]["lm loss"] < got[0]["lm loss"] - 0.05, [r["lm loss"] for r in got]
 
 
 # --- in-process: what the static path builds -----------------------------------------

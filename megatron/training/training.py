@@ -71,9 +71,36 @@ def build_model_and_optimizer(args, model_provider: Callable):
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [model])
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = partial(finalize_already_per_token, finalize_model_grads)
     config.no_sync_func = model.no_sync
     return model, optimizer, config
+
+
+def finalize_already_per_token(finalize, model, num_tokens=None, *args, **kwargs):
+    """megatron-core's finalize_model_grads without its division by the token count: the loss
+    was divided by the global batch's loss tokens before the backward (`per_global_token`)."""
+    return finalize(model, None, *args, **kwargs)
+
+
+def per_global_token(forward_step_func: Callable, loss_tokens: float) -> Callable:
+    """The user's forward step with its loss divided by the global batch's loss-token count
+    before the backward (docs/contracts.md, "Loss": a constant known before the iteration).
+
+    megatron-core's per-token rule back-propagates each micro-batch's loss *sum* and divides
+    the gradients by the token count after the backward; under --fp16 a constant loss scale
+    sized for a mean (upstream's 8192) then overflows the half-precision gradients by the
+    token count (every step skipped, grad norm nan). Dividing first keeps the gradients a
+    mean's size, as upstream's averaged loss has them; the reported loss is untouched."""
+    def step(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def loss_per_global_token(output_tensor):
+            loss, num_tokens, report = loss_func(output_tensor)
+            return loss / loss_tokens, num_tokens, report
+
+        return output, loss_per_global_token
+
+    return step
 
 
 def attach_timers(config, optimizer, timers) -> None:
@@ -100,6 +127,9 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
 
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     speaks = every_rank or rank == 0 or not 0 <= rank < world
+    from megatron.training import liveness
+
+    liveness.stop(message)  # peers that lose contact with this rank quote why it stopped
     if speaks:
         names_its_rank = message.startswith(f"rank {rank} ")
         prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
@@ -143,19 +173,29 @@ def pretrain(
     try:
         logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                            document_datasets_provider)
+        from megatron.training import liveness
+
+        liveness.stop("finished")  # peers will not take this rank's silence for a stall
         shutdown_distributed()
         return logged
     except (DataError, TrainingError, checkpointing.CheckpointError, ArgumentError, PlanningError) as e:
-        _report_error_and_exit(str(e), every_rank=not isinstance(e, AgreedTrainingError))
+        _report_error_and_exit(str(e), getattr(e, "exit_code", 1), every_rank=not isinstance(e, AgreedTrainingError))
     except RuntimeError as e:
         if not _is_lost_peer(e):
             _report_os_error_or_raise(e, args)
-        first = str(e).strip().splitlines()[0][:200]
-        _report_error_and_exit(f"lost contact with another rank ({first}): it died or hangs; see its log, then "
-                               "rerun to resume from the last checkpoint")
+        _report_collective_fault(e, args)
     except KeyboardInterrupt:  # SIGINT, Ctrl-C: one line, as SIGTERM ends without --exit-signal-handler
+        from megatron.training import liveness
+
+        if liveness.launcher_stop_line():  # the heartbeat stopped this rank: its launcher is gone (line said)
+            sys.exit(1)
         _report_error_and_exit(interrupted_message(args), 130, every_rank=False)
     except BaseException as e:  # an OSError (full disk, permissions), or torch's CheckpointException wrapping one
+        from megatron.training.collective_faults import find_collective_failure
+
+        inner = find_collective_failure(e) if not isinstance(e, (SystemExit, KeyboardInterrupt)) else None
+        if inner is not None:  # a save whose collective failed because of a peer
+            _report_collective_fault(inner, args)
         _report_os_error_or_raise(e, args)
     finally:
         from megatron.training import checkpoint_lock
@@ -191,14 +231,28 @@ def _report_os_error_or_raise(e: BaseException, args=None) -> None:
 
 
 def _is_lost_peer(e: BaseException) -> bool:
-    """A collective failed because a peer process died (gloo/NCCL), not a bug of this rank."""
-    text = str(e)
-    return any(k in text for k in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                                    "NCCL communicator was aborted", "Socket Timeout", "timed out"))
+    """A collective failed because a peer died, hangs or stopped (gloo/NCCL), not a bug of this rank."""
+    from megatron.training.collective_faults import is_collective_failure
+
+    return is_collective_failure(e)
+
+
+def _report_collective_fault(e: BaseException, args) -> None:
+    """One line naming the rank that stopped answering and the collective (collective_faults),
+    worked out while a SIGTERM from torchrun waits; then exit 1."""
+    from megatron.training import collective_faults
+
+    with collective_faults.sigterm_deferred():
+        _report_error_and_exit(collective_faults.fault_line(e, args.distributed_timeout_minutes))
 
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    from megatron.training import job_agreement, liveness
+
+    liveness.start(dist.get_rank(), dist.get_world_size())  # heartbeats: who stopped answering, if one does
+
+    job_agreement.check(args, print_rank_0)  # every rank was given the same flags; where one-rank outputs go
     from megatron.training.upstream_flags import announce
 
     announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
@@ -392,8 +446,9 @@ class StaticSteps:
         # this DP rank's documents (every CP rank holds them whole): their FLOPs, summed over
         # the DP x CP group with the loss
         share = self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]) / self.cp_size
+        forward_step = per_global_token(self.forward_step_func, self.global_loss_tokens(self.batches))
         self.losses, ok, self.grad_norm = train_step(
-            args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
+            args, self.model, self.optimizer, self.scheduler, self.config, forward_step, iter(self.batches),
             args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1, flops=share)
         self.flops = self.losses.pop("flops")
         loss = self.losses["lm loss"]
@@ -402,6 +457,17 @@ class StaticSteps:
         # skipped iteration, as in Megatron; it is a NaN/inf iteration once the scale is at its floor.
         finite = math.isfinite(loss)
         return Outcome(loss, ok and finite, finite and not ok and loss_scaler_can_back_off(self.optimizer))
+
+    def global_loss_tokens(self, batches) -> float:
+        """The global batch's loss tokens: this rank's share (its CP chunk of its DP rank's
+        micro-batches, counted on the host) summed over the DP x CP ranks, over gloo: no wait
+        for the device."""
+        from megatron.core import parallel_state
+
+        mine = torch.tensor([float(sum(float(b["loss_mask"].sum()) for b in batches))], dtype=torch.float64)
+        group = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+        dist.all_reduce(mine, group=group)
+        return max(float(mine.item()), 1.0)
 
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
         self.logger.log_iteration(iteration, self.consumed_samples, elapsed_s, self.losses, self.scheduler,
