@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests import checkpoint_payloads as payloads
 from tests.conftest import TINY_MODEL
 from tests.entry_runner import make_runner, run_case
 from tests.helpers import ENTRY, drop_flags, kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
@@ -53,6 +54,7 @@ class Case:
     timeout: int = 180
     base: str = "static"  # static | dcp | none
     tool: str | None = None  # "plan" | "simulate": the row runs dcp-plan / dcp-simulate (TOOLS), not training
+    absent: tuple[str, ...] = ()  # paths that must not exist afterwards (a payload's marker: nothing ran)
 
 
 B_STATIC = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
@@ -456,10 +458,37 @@ CASES += [
          code=1, keeps=("ck_truncated",)),
     Case("ckpt-truncated-shard-dcp", ["--load", "{dk_truncated}", "--train-iters", "3"], "__0_1.distcp is truncated (",
          code=1, keeps=("dk_truncated",), base="dcp"),
+    # overwritten in a checkpoint without checksums (ours from before issue 37, upstream's): the read fails
     Case("ckpt-overwritten-shard", ["--load", "{ck_overwritten}", "--train-iters", "3"],
          "is damaged: a shard cannot be read", code=1, keeps=("ck_overwritten",)),
     Case("ckpt-overwritten-shard-dcp", ["--load", "{dk_overwritten}", "--train-iters", "3"],
          "is damaged: a shard cannot be read", code=1, keeps=("dk_overwritten",), base="dcp"),
+    # issue 37, class B: 64 bytes flipped in a shard (size unchanged) decode, and were trained on
+    Case("ckpt-flipped-shard", ["--load", "{ck_flipped}", "--train-iters", "3"],
+         "__0_0.distcp is damaged: its sha256 differs from the one recorded when it was saved; restore it from a copy",
+         code=1, keeps=("ck_flipped",)),
+    Case("ckpt-flipped-shard-dcp", ["--load", "{dk_flipped}", "--train-iters", "3"],
+         "__0_1.distcp is damaged: its sha256 differs from the one recorded when it was saved", code=1,
+         keeps=("dk_flipped",), base="dcp"),
+    Case("ckpt-flipped-common-dcp", ["--load", "{dk_flipped_common}", "--train-iters", "3"],
+         "common.pt is damaged: its sha256 differs", code=1, keeps=("dk_flipped_common",), base="dcp"),
+    Case("ckpt-garbage-checksums", ["--load", "{ck_bad_sums}", "--train-iters", "3"],
+         "checksums.json is damaged", code=1, keeps=("ck_bad_sums",)),
+    # issue 37, class A: a file that runs code when unpickled, then returns the real content
+    # (tests/checkpoint_payloads.py; the checksums rewritten as an attacker would): refused, nothing runs
+    Case("ckpt-index-runs-code", ["--load", "{ck_index_code}", "--train-iters", "3"],
+         ".metadata: refused: reading it would run code (it names builtins.eval", code=1, keeps=("ck_index_code",),
+         absent=("{val}/ran_ck_index_code",)),
+    Case("ckpt-index-runs-code-dcp", ["--load", "{dk_index_code}", "--train-iters", "3"],
+         ".metadata: refused: reading it would run code (it names builtins.eval", code=1, keeps=("dk_index_code",),
+         absent=("{val}/ran_dk_index_code",), base="dcp"),
+    Case("ckpt-stored-object-runs-code", ["--load", "{ck_object_code}", "--train-iters", "3"],
+         ".distcp: rng_state/shard_0.0.0_1.1.1: refused: reading it would run code", code=1,
+         keeps=("ck_object_code",),
+         absent=("{val}/ran_ck_object_code",)),
+    Case("ckpt-common-runs-code-dcp", ["--load", "{dk_common_code}", "--train-iters", "3"],
+         "common.pt: refused: reading it would run code", code=1, keeps=("dk_common_code",),
+         absent=("{val}/ran_dk_common_code",), env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, base="dcp"),
     Case("ckpt-missing-shard-index", ["--load", "{ck_no_index}", "--train-iters", "3"],
          ".metadata (the index of the shard files) is missing", code=1, keeps=("ck_no_index",)),
     Case("ckpt-garbage-shard-index", ["--load", "{ck_bad_index}", "--train-iters", "3"],
@@ -620,6 +649,17 @@ def make_validation_fixtures(root: str, p: dict, runner, on_teardown) -> dict:
         common.pop("layout")
         common["content_metadata"] = {"distrib_optim_sharding_type": "dp_reshardable"}
         torch.save(common, os.path.join(path, "common.pt"))
+        unsealed(path)  # upstream writes no checksums
+
+    def unsealed(path):
+        if os.path.exists(os.path.join(path, "checksums.json")):
+            os.remove(os.path.join(path, "checksums.json"))
+
+    def poisoned(how, marker):
+        def make(path):
+            how(path, marker)
+            payloads.reseal(path)
+        return make
 
     s, d = p["static_ckpt"], p["dcp_ckpt"]
     damaged("ck_no_common", s, lambda it: os.remove(os.path.join(it, "common.pt")))
@@ -628,8 +668,17 @@ def make_validation_fixtures(root: str, p: dict, runner, on_teardown) -> dict:
     damaged("dk_no_shard", d, lambda it: os.remove(os.path.join(it, "__0_0.distcp")))
     damaged("ck_truncated", s, lambda it: cut(os.path.join(it, "__0_0.distcp")))
     damaged("dk_truncated", d, lambda it: cut(os.path.join(it, "__0_1.distcp"), 100))
-    damaged("ck_overwritten", s, lambda it: overwrite(os.path.join(it, "__0_0.distcp")))
-    damaged("dk_overwritten", d, lambda it: overwrite(os.path.join(it, "__0_0.distcp")))
+    damaged("ck_overwritten", s, lambda it: (overwrite(os.path.join(it, "__0_0.distcp")), unsealed(it)))
+    damaged("dk_overwritten", d, lambda it: (overwrite(os.path.join(it, "__0_0.distcp")), unsealed(it)))
+    damaged("ck_flipped", s, lambda it: payloads.flip(os.path.join(it, "__0_0.distcp")))
+    damaged("dk_flipped", d, lambda it: payloads.flip(os.path.join(it, "__0_1.distcp")))
+    damaged("dk_flipped_common", d, lambda it: payloads.flip(os.path.join(it, "common.pt"), count=1, at=0.9))
+    damaged("ck_bad_sums", s, lambda it: garbage(os.path.join(it, "checksums.json")))
+    damaged("ck_index_code", s, poisoned(payloads.poison_index, j("ran_ck_index_code")))
+    damaged("dk_index_code", d, poisoned(payloads.poison_index, j("ran_dk_index_code")))
+    damaged("ck_object_code", s, poisoned(lambda it, marker: payloads.poison_stored_object(it, marker, "rng_state"),
+                                          j("ran_ck_object_code")))
+    damaged("dk_common_code", d, poisoned(payloads.poison_common, j("ran_dk_common_code")))
     damaged("ck_no_index", s, lambda it: os.remove(os.path.join(it, ".metadata")))
     damaged("ck_bad_index", s, lambda it: garbage(os.path.join(it, ".metadata")))
     damaged("ck_bad_common", s, lambda it: garbage(os.path.join(it, "common.pt")))
@@ -751,9 +800,11 @@ def test_bad_input(case, runner, paths):
         assert_one_line_error(r, case.needle)
         if case.code is not None:
             assert r.returncode == case.code, (r.returncode, r.stderr)
-    finally:  # nothing lost, whatever the error looked like
+    finally:  # nothing lost, whatever the error looked like; nothing ran that a file smuggled in
         for name in case.keeps:
             assert tree_digest(paths[name]) == paths["digests"][name], f"{name} changed"
+        for path in case.absent:
+            assert not os.path.exists(path.format(**paths)), f"{path.format(**paths)} exists: the payload ran"
 
 
 # -------------------------------------------------------------- several real ranks

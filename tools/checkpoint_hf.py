@@ -537,7 +537,7 @@ def find_base(load: str, saved) -> str | None:
 def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
     """({our name: fp32 tensor}, stored args, checkpoint folder) of a static or --dcp checkpoint."""
     from megatron.training import checkpoint_protocol as ckpt
-    from megatron.training.checkpoint_inspector import load_common_or_explain
+    from megatron.training.checkpoint_inspector import open_checkpoint
 
     if not os.path.isdir(load):
         raise HFError(f"--load {load}: no such directory")
@@ -552,7 +552,7 @@ def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
         if path is None:
             raise HFError(f"--load {load}: its tracker names iteration {iteration}, which is missing or incomplete")
     _one_rank_group()
-    common = load_common_or_explain(path)
+    common = open_checkpoint(path)  # inspected, every file against its checksum, code refused
     saved = common.get("args")
     if saved is None:
         raise HFError(f"{path}: the checkpoint stores no model flags (args); cannot tell its shape")

@@ -142,8 +142,12 @@ def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
 def load_common(path: str) -> dict:
     from megatron.core import dist_checkpointing
 
+    from dcp_ext.compat.checkpoint_unpickler import CodeRefused
+
     try:
         common = dist_checkpointing.load_common_state_dict(path)
+    except CodeRefused as e:
+        raise ConversionError(str(e)) from None
     except Exception as e:  # unreadable/garbled common state
         raise ConversionError(f"{path}: cannot read the checkpoint's common state "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -440,9 +444,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], under_torchrun: bool, rank: int) -> int:
     from megatron.training.arguments import ArgumentError
 
+    from megatron.training.checkpoint_inspector import inspect_checkpoint, verify_checkpoint
+
     opts, rest = parse_options(argv)
     path, iteration = resolve_source(opts.load, opts.iteration)
     check_destination(opts.save, iteration, opts.force)
+    inspect_checkpoint(path)  # before anything is read: files missing or cut short, an index that would run code
+    verify_checkpoint(path)  # every file against its checksum (each rank under torchrun: no group yet)
     common = load_common(path)
     args = megatron_args(opts, rest, common)
     if under_torchrun:

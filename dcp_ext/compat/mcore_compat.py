@@ -80,6 +80,7 @@ def install() -> None:
     _patch_fully_reshardable_optimizer_load()
     keep_checkpoint_writes_in_process()
     quiet_checkpoint_writer_errors()
+    read_checkpoints_as_data_only()
     _installed = True
 
 
@@ -143,3 +144,104 @@ def ensure_global_memory_buffer() -> None:
 
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
+
+
+# ------------------------------------------------ checkpoint files read as data only (issue 37)
+# torch 2.6-2.13 and megatron-core 0.16 read three kinds of pickle from a torch_dist
+# checkpoint; each is redirected to dcp_ext.compat.checkpoint_unpickler, which accepts data
+# only. Everything that loads a checkpoint (both training paths, the inspector, the
+# converter, the HF tools) goes through these three methods, so this is the one place.
+
+def read_checkpoints_as_data_only() -> None:
+    """Install the three redirects below (idempotent). Called by `install()` and by
+    `megatron.training.checkpoint_inspector` before it reads a checkpoint."""
+    _read_index_as_data()
+    _read_stored_objects_as_data()
+    _read_common_state_as_data()
+
+
+def _read_index_as_data() -> None:
+    """torch's `FileSystemReader.read_metadata` unpickles `.metadata` with plain
+    `pickle.load` (any callable it names runs). Same method, restricted unpickler; megatron-core's
+    CachedMetadataFileSystemReader calls it through `super()`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from dcp_ext.compat.checkpoint_unpickler import load_index
+
+    if getattr(FileSystemReader.read_metadata, "_data_only", False):
+        return
+
+    def read_metadata(self, *args, **kwargs):
+        if hasattr(self, "_get_metadata_path"):
+            path = self._get_metadata_path(kwargs.get("rank"))
+        else:  # torch before 2.7
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_index(stream, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    read_metadata._data_only = True
+    FileSystemReader.read_metadata = read_metadata
+
+
+def _read_stored_objects_as_data() -> None:
+    """torch's `DefaultLoadPlanner.load_bytes` (megatron-core's MCoreLoadPlanner inherits it)
+    reads each object stored in a shard (ShardedObjects: the RNG state, upstream's optimizer
+    parts) with `torch.load(weights_only=False)`. Same method, `weights_only=True`; a refusal
+    names the shard file and the object's key."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from dcp_ext.compat.checkpoint_unpickler import load_torch_bytes
+
+    if getattr(DefaultLoadPlanner.load_bytes, "_data_only", False):
+        return
+
+    def load_bytes(self, read_item, value):
+        key = read_item.dest_index.fqn
+        try:
+            where = f"{self.metadata.storage_data[read_item.storage_index].relative_path}: {key}"
+        except (AttributeError, KeyError, TypeError):
+            where = key
+        obj = load_torch_bytes(value, where)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[key], obj)
+        else:
+            self.state_dict[key] = obj
+
+    load_bytes._data_only = True
+    DefaultLoadPlanner.load_bytes = load_bytes
+
+
+def _read_common_state_as_data() -> None:
+    """megatron-core 0.16 `TorchCommonLoadStrategy.load_common` reads `common.pt` with
+    `torch.load` at its default, which is weights_only=True unless the environment says
+    `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`. Same method, weights_only=True whatever the environment
+    (the multi-storage client's path, which this fork does not use, is left as it is)."""
+    import os
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+    from megatron.core.msc_utils import MultiStorageClientFeature
+
+    from dcp_ext.compat.checkpoint_unpickler import load_torch_file
+
+    original = TorchCommonLoadStrategy.load_common
+    if getattr(original, "_data_only", False):
+        return
+
+    def load_common(self, checkpoint_dir):
+        if MultiStorageClientFeature.is_enabled():
+            return original(self, checkpoint_dir)
+        load_path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+        try:
+            return load_torch_file(load_path)
+        except FileNotFoundError as e:
+            raise CheckpointingException(f"Common file {load_path} does not exist") from e
+
+    load_common._data_only = True
+    TorchCommonLoadStrategy.load_common = load_common

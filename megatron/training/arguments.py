@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pretrained-checkpoint", type=str, default=None,
                    help="start from this checkpoint's weights while --load holds none (as --finetune)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="load --load's checkpoint without checking its files against the checksums saved with it "
+                        "(for a store that guarantees integrity itself)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)

@@ -4,12 +4,17 @@ Why a module of its own: a resume that fails deep inside dist_checkpointing says
 user can act on. Before and around every load (static and adaptive) these functions name
 the file that is missing, damaged or cut short, the disk error, or the load flags a
 checkpoint saved without its optimizer or RNG state needs, with what to do about it.
+`open_checkpoint` is the loaders' first read: this inspector, then every file against its
+checksum (`checkpoint_checksums`), then the common state; a file that would run code when
+read is refused by name wherever it is met (`dcp_ext.compat.checkpoint_unpickler`).
 """
 from __future__ import annotations
 
 import os
 import re
 
+from dcp_ext.compat import mcore_compat
+from dcp_ext.compat.checkpoint_unpickler import CodeRefused
 from megatron.training.checkpoint_protocol import TRACKER, CheckpointError, is_complete
 from megatron.training.os_errors import exception_chain, explain_os_error
 
@@ -35,8 +40,11 @@ def inspect_checkpoint(path: str) -> None:
     """Raise CheckpointError naming the first file of checkpoint directory `path` that is
     missing or damaged: metadata.json, common.pt, the shard index (.metadata), or a shard
     file missing or shorter than the index says. Reads only the small files and the
-    shards' sizes, so it runs before every load."""
+    shards' sizes, so it runs before every load. The pickled files are read as data only: one
+    that would run code is refused (`CodeRefused`'s line, naming it)."""
     import json
+
+    mcore_compat.read_checkpoints_as_data_only()  # whoever calls first (a tool, a loader)
 
     meta = os.path.join(path, "metadata.json")
     try:
@@ -64,6 +72,8 @@ def inspect_checkpoint(path: str) -> None:
         from torch.distributed.checkpoint import FileSystemReader
 
         storage = FileSystemReader(path).read_metadata().storage_data
+    except CodeRefused as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # a damaged pickle raises anything from EOFError to ValueError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise CheckpointError(f"{index} is damaged (cannot be read: {first}); {_damage_hint(path)}") from None
@@ -83,13 +93,74 @@ def inspect_checkpoint(path: str) -> None:
                                   f"the save was cut short or the copy is incomplete; {_damage_hint(path)}")
 
 
-def load_common_or_explain(path: str) -> dict:
+def fallback_hint(path: str) -> str:
+    """What to do about a damaged checkpoint: the previous complete iteration next to it, named."""
+    from megatron.training.checkpoint_protocol import find_checkpoint
+
+    folder = os.path.abspath(path)
+    root = os.path.dirname(folder)
+    m = re.match(r"^iter_(\d{7})(\.old)?$", os.path.basename(folder))
+    try:
+        names = os.listdir(root) if m else []
+    except OSError:
+        names = []
+    this = int(m.group(1)) if m else 0
+    earlier = sorted({int(n[5:12]) for n in names if re.match(r"^iter_\d{7}(\.old)?$", n)} - {this})
+    found = [(n, find_checkpoint(root, n)) for n in earlier if n < this]
+    found = [(n, where) for n, where in found if where is not None]
+    if not found:
+        return "restore it from a copy (there is no earlier complete checkpoint next to it)"
+    n, where = found[-1]
+    return (f"fall back to the previous complete checkpoint, iteration {n} ({where}): "
+            f"echo {n} > {os.path.join(root, TRACKER)}; or restore this one from a copy")
+
+
+def verify_checkpoint(path: str, skip: bool = False) -> None:
+    """Check every file of checkpoint folder `path` against the checksums saved with it
+    (`checkpoint_checksums`), before anything of it is used. Collective when a process group
+    is up (the ranks share the files); every rank raises the same CheckpointError, naming the
+    first file that differs and the checkpoint to fall back to. `skip`: --no-verify-checkpoint
+    (one line says so); a checkpoint without checksums is loaded with one line saying so."""
+    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, ChecksumTableError, mismatches, read_checksums
+    from megatron.training.initialize import print_rank_0
+
+    if skip:
+        print_rank_0(f"  note: --no-verify-checkpoint: the files of {path} are loaded without checking their "
+                     "checksums")
+        return
+    try:
+        files = read_checksums(path)
+    except ChecksumTableError as e:
+        raise CheckpointError(f"{e}: the checkpoint's files cannot be checked; {fallback_hint(path)}") from None
+    if files is None:
+        print_rank_0(f"  note: {path} has no {CHECKSUM_FILE} (saved before checkpoints carried checksums, or by "
+                     "upstream Megatron-LM): its files are loaded unverified")
+        return
+    problems = mismatches(path, files)
+    if problems:
+        more = f" ({len(problems) - 1} more files differ)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}; {fallback_hint(path)}")
+
+
+def open_checkpoint(path: str, skip_verify: bool = False) -> dict:
+    """A loader's first read of checkpoint folder `path`: the inspector, then every file against
+    its checksum (collective under a process group; `skip_verify`: --no-verify-checkpoint),
+    then its common state. Nothing of it is used before all three passed."""
+    inspect_checkpoint(path)
+    verify_checkpoint(path, skip=skip_verify)
+    return load_common_or_explain(path, inspected=True)
+
+
+def load_common_or_explain(path: str, inspected: bool = False) -> dict:
     """megatron.core's common state of checkpoint `path`, after the inspector; a failure names the file."""
     from megatron.core import dist_checkpointing
 
-    inspect_checkpoint(path)
+    if not inspected:
+        inspect_checkpoint(path)
     try:
         return dist_checkpointing.load_common_state_dict(path)
+    except CodeRefused as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # everything it reads is common.pt: whatever went wrong, that file is the cause
         os_line = explain_os_error(e)
         if os_line:
@@ -114,7 +185,12 @@ def load_or_explain(request: dict, path: str, **kwargs) -> dict:
 
     try:
         return dist_checkpointing.load(request, path, **kwargs)
-    except (CheckpointingException, CheckpointException, KeyError, RuntimeError, OSError, EOFError, ValueError) as e:
+    except (CheckpointingException, CheckpointException, KeyError, RuntimeError, OSError, EOFError, ValueError,
+            CodeRefused) as e:
+        refused = [x for x in exception_chain(e) if isinstance(x, CodeRefused)]
+        if refused:  # an object inside a shard that would run code (any rank's): named from the folder on
+            line = str(refused[0])
+            raise CheckpointError(line if os.path.isabs(refused[0].path) else os.path.join(path, line)) from None
         os_line = explain_os_error(e)
         if os_line:
             raise CheckpointError(f"cannot read checkpoint {path}: {os_line}") from None

@@ -51,6 +51,7 @@ import shutil
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
+from megatron.training.checkpoint_checksums import write_checksums
 from megatron.training.initialize import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -232,6 +233,7 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
     dist.barrier()
     dist_checkpointing.save(state, staging)
     dist.barrier()
+    write_checksums(staging)  # every file's size and sha256, in the folder before it can be committed
     if dist.get_rank() == 0:
         _fsync_tree(staging)
     _fault_point("after_shards")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dcp_ext.compat import mcore_compat
-from megatron.training.checkpoint_inspector import check_saved_parts, load_common_or_explain, load_or_explain
+from megatron.training.checkpoint_inspector import check_saved_parts, load_or_explain, open_checkpoint
 from megatron.training.checkpoint_protocol import (CHECKPOINT_VERSION, CheckpointError, common_args,
                                                    resolve_load_dir, save_sharded_atomic)
 from megatron.training.initialize import print_rank_0
@@ -221,7 +221,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
     if found is None:
         return 0, 0
     path, _ = found
-    common = load_common_or_explain(path)
+    common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
     if common.get("format") == "dcp-fixed-sharding/v1":
         if not (args.finetune or args.no_load_optim):
             raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "

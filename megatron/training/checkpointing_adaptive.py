@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import checkpoint_protocol as ckpt
-from megatron.training.checkpoint_inspector import check_saved_parts, load_common_or_explain, load_or_explain
+from megatron.training.checkpoint_inspector import check_saved_parts, load_or_explain, open_checkpoint
 from megatron.training.initialize import print_rank_0
 from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
 
@@ -94,7 +94,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if found is None:
         return 0, 0
     path, _ = found
-    common = load_common_or_explain(path)
+    common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
     if common.get("format") != FORMAT:
         if not (args.finetune or args.no_load_optim):
             raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp, or "
