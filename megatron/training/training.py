@@ -103,6 +103,17 @@ def per_global_token(forward_step_func: Callable, loss_tokens: float) -> Callabl
     return step
 
 
+def global_loss_tokens(batches) -> float:
+    """The global batch's loss tokens: this rank's share (its CP chunk of its DP rank's
+    micro-batches, counted on the host) summed over the DP x CP ranks, over gloo: no wait for
+    the device."""
+    from megatron.core import parallel_state
+
+    mine = torch.tensor([float(sum(float(b["loss_mask"].sum()) for b in batches))], dtype=torch.float64)
+    dist.all_reduce(mine, group=parallel_state.get_data_parallel_group_gloo(with_context_parallel=True))
+    return max(float(mine.item()), 1.0)
+
+
 def attach_timers(config, optimizer, timers) -> None:
     """--timing-log-level: megatron-core's schedules and optimizer time themselves through these."""
     if timers is None:
@@ -346,6 +357,9 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
     if not forward_only:
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        batches = list(data_iterator)  # the global batch's divisor is known before its first backward
+        forward_step_func = per_global_token(forward_step_func, global_loss_tokens(batches))
+        data_iterator = iter(batches)
     losses = get_forward_backward_func()(  # times 'forward-backward' itself (config.timers)
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -446,9 +460,8 @@ class StaticSteps:
         # this DP rank's documents (every CP rank holds them whole): their FLOPs, summed over
         # the DP x CP group with the loss
         share = self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]) / self.cp_size
-        forward_step = per_global_token(self.forward_step_func, self.global_loss_tokens(self.batches))
         self.losses, ok, self.grad_norm = train_step(
-            args, self.model, self.optimizer, self.scheduler, self.config, forward_step, iter(self.batches),
+            args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
             args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1, flops=share)
         self.flops = self.losses.pop("flops")
         loss = self.losses["lm loss"]
@@ -457,17 +470,6 @@ class StaticSteps:
         # skipped iteration, as in Megatron; it is a NaN/inf iteration once the scale is at its floor.
         finite = math.isfinite(loss)
         return Outcome(loss, ok and finite, finite and not ok and loss_scaler_can_back_off(self.optimizer))
-
-    def global_loss_tokens(self, batches) -> float:
-        """The global batch's loss tokens: this rank's share (its CP chunk of its DP rank's
-        micro-batches, counted on the host) summed over the DP x CP ranks, over gloo: no wait
-        for the device."""
-        from megatron.core import parallel_state
-
-        mine = torch.tensor([float(sum(float(b["loss_mask"].sum()) for b in batches))], dtype=torch.float64)
-        group = parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
-        dist.all_reduce(mine, group=group)
-        return max(float(mine.item()), 1.0)
 
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
         self.logger.log_iteration(iteration, self.consumed_samples, elapsed_s, self.losses, self.scheduler,
