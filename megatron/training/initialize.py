@@ -2,9 +2,16 @@
 
 Works under torchrun (env:// rendezvous, NCCL on GPUs, gloo on CPUs) and as a plain
 single process (`python pretrain_gpt_dcp.py`), which then forms a world of one.
+
+`--distributed-timeout-minutes` reaches every process group the run creates: the default
+one here, megatron-core's model-parallel groups (`initialize_model_parallel`), the adaptive
+runtime's (`GroupRegistry`, through `groups.set_group_timeout`). A rank that stops
+answering then ends the job within that time; each rank's heartbeat (liveness.py, started
+by `pretrain` right after this) tells the survivors which rank it was.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
@@ -56,6 +63,9 @@ def initialize_distributed(backend: str, timeout_minutes: int = 10) -> None:
                 "them all), check WORLD_SIZE, MASTER_ADDR/MASTER_PORT and the network "
                 "(--distributed-timeout-minutes sets how long to wait)") from None
         raise
+    from dcp_ext.runtime.stages import groups
+
+    groups.set_group_timeout(timeout)  # the adaptive runtime's groups wait as long as the default one
 
 
 def _clients_joined(text: str) -> str:
@@ -91,11 +101,33 @@ def _restart_safe_store(timeout) -> dict:
 def initialize_model_parallel(args) -> None:
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-    )
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    with groups_created_with_timeout(timeout):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,  # megatron-core's default is 30
+        )
+
+
+@contextlib.contextmanager
+def groups_created_with_timeout(timeout: datetime.timedelta):
+    """Every `torch.distributed.new_group` called inside without a timeout gets `timeout`:
+    megatron-core passes its `distributed_timeout_minutes` to all its groups but one (0.16.1
+    creates the expert-data-parallel gloo group without it, so it would wait 30 minutes)."""
+    create = dist.new_group
+
+    def new_group(*args, **kwargs):
+        if len(args) < 2 and kwargs.get("timeout") is None:  # new_group(ranks, timeout, ...)
+            kwargs["timeout"] = timeout
+        return create(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = create
 
 
 def set_random_seed(seed: int, offset_by_pipeline_rank: bool = True) -> None:

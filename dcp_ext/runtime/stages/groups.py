@@ -12,22 +12,43 @@ the step's host numbers (its timings) reduce over it without waiting for the dev
 megatron-core's embedding group is not handed to the stages: its one use there, summing
 a tied embedding's initial values over the first and last stage at construction, has
 no values to sum (the pull fills them) and the runtime sums tied gradients at the owner.
+
+Every group waits as long as the default one (`--distributed-timeout-minutes`, which the
+start-up hands over with `set_group_timeout`; torch's own default for a new group is 30
+minutes whatever the default group's is), so a rank that stops answering ends the job in
+that time on any layout.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import datetime
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from dcp_ext.planning.layout import ReplicaType, distinct_groups
 
+_timeout: Optional[datetime.timedelta] = None
+
+
+def set_group_timeout(timeout: Optional[datetime.timedelta]) -> None:
+    """The timeout of every group a registry creates from now on (None: torch's default)."""
+    global _timeout
+    _timeout = timeout
+
+
+def group_timeout() -> Optional[datetime.timedelta]:
+    return _timeout
+
 
 class GroupRegistry:
     """Creates (once) and serves the process groups of a fixed set of replica types."""
 
-    def __init__(self, replica_types: Sequence[ReplicaType], host_group: bool = False):
+    def __init__(self, replica_types: Sequence[ReplicaType], host_group: bool = False,
+                 timeout: Optional[datetime.timedelta] = None):
         """host_group: also create a gloo group over every rank (GPU runs; CPU runs use the
-        default group, which is gloo already: `host_group` is then None)."""
+        default group, which is gloo already: `host_group` is then None). timeout: of every
+        group (default: `set_group_timeout`'s, the run's --distributed-timeout-minutes)."""
+        self.timeout = timeout if timeout is not None else _timeout
         self.replica_types = sorted(set(replica_types), key=ReplicaType.sort_key)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -35,7 +56,8 @@ class GroupRegistry:
         for rank_set in distinct_groups(self.replica_types):
             self._group(rank_set)
         self._collections: dict[ReplicaType, object] = {}
-        self.host_group = dist.new_group(backend="gloo", use_local_synchronization=False) if host_group else None
+        self.host_group = dist.new_group(backend="gloo", use_local_synchronization=False,
+                                         timeout=self.timeout) if host_group else None
 
     @property
     def num_groups(self) -> int:
@@ -45,7 +67,7 @@ class GroupRegistry:
         ranks = tuple(sorted(ranks))
         if ranks not in self._groups:
             # every rank takes part in every creation, in the same order
-            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=False)
+            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=False, timeout=self.timeout)
         return self._groups[ranks]
 
     def rank_sets(self) -> list[tuple[int, ...]]:
