@@ -892,3 +892,82 @@ def test_checkpoints_still_resume(paths, runner, tmp_path):
         r = run_case(runner, argv)
         assert r.returncode == 0, r.stderr[-3000:]
         assert [x["iteration"] for x in read_loss_log(log)] == [3]
+
+
+# ------------------------------------------------- ranks given different flags (issue 37, class D)
+# Each node's launcher passes its own command line: rank 1 gets the row's flags on top of the
+# base that rank 0 gets. Two plain `python pretrain_gpt_dcp.py` ranks (rank 0 holds the store,
+# as a launch without torchrun), so each can have its own argv. The check runs right after the
+# process group, before either path's work: rank 0 says it once, both exit 2.
+@dataclass
+class RankCase:
+    id: str
+    rank1: list[str]  # {tmp} is filled in
+    needle: str
+    base: str = "static"
+
+
+RANK_CASES = [
+    RankCase("ranks-differ-lr", ["--lr", "2e-3"], "--lr is 0.001 on rank 0 and 0.002 on rank 1"),
+    RankCase("ranks-differ-dcp", ["--dcp", "--dcp-global-batch-tokens", "512"],
+             "--dcp is not given on rank 0 and given on rank 1"),
+    RankCase("ranks-differ-save", ["--save", "{tmp}/rank1_ckpt"],
+             "--save is not given on rank 0 and {tmp}/rank1_ckpt on rank 1"),
+    RankCase("ranks-differ-model-dcp", ["--hidden-size", "32", "--ffn-hidden-size", "64"],
+             "--ffn-hidden-size is 128 on rank 0 and 64 on rank 1; also --hidden-size", base="dcp"),
+]
+
+
+def run_two_ranks(argv0: list[str], argv1: list[str], tmp_path, timeout: int = 180):
+    """Ranks 0 and 1 of one job, each with its own argv: [(code, stdout, stderr)] by rank."""
+    from tests.helpers import REPO, free_port, rank_env
+
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = []
+    for rank, argv in enumerate((argv0, argv1)):
+        out, err = open(tmp_path / f"out{rank}", "w"), open(tmp_path / f"err{rank}", "w")
+        procs.append((subprocess.Popen([os.sys.executable, ENTRY] + argv, cwd=REPO, stdout=out, stderr=err,
+                                       env=rank_env(dict(env, RANK=str(rank), LOCAL_RANK=str(rank))),
+                                       start_new_session=True), out, err))
+    results = []
+    try:
+        for rank, (p, out, err) in enumerate(procs):
+            try:
+                code = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = 124
+            out.close()
+            err.close()
+            results.append((code, open(tmp_path / f"out{rank}").read(), open(tmp_path / f"err{rank}").read()))
+    finally:
+        for p, _, _ in procs:
+            kill_tree(p)
+    return results
+
+
+@pytest.mark.parametrize("case", RANK_CASES, ids=[c.id for c in RANK_CASES])
+def test_ranks_given_different_flags_are_refused_in_one_line(case, paths, tmp_path):
+    base = argv_for(Case("x", [], "", base=case.base), paths)
+    rank1 = [a.format(tmp=str(tmp_path)) for a in case.rank1]
+    (code0, _, err0), (code1, _, err1) = run_two_ranks(base, base + rank1, tmp_path)
+    lines = [line for line in err0.splitlines() if line.strip()]
+    assert code0 == 2 and code1 == 2, (code0, code1, err0[-2000:], err1[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: the ranks were given different flags (every node's "
+                                                   "launcher must pass the same ones): "), lines
+    assert case.needle.format(tmp=str(tmp_path)) in lines[0], lines[0]
+    assert err1.strip() == "", err1[-2000:]  # said once, by rank 0
+    assert not os.path.exists(tmp_path / "rank1_ckpt")
+
+
+def test_an_output_of_one_rank_may_differ_per_node_and_is_said_where_it_goes(paths, tmp_path):
+    """--loss-log given to each rank with its own path (a node's local disk): not refused; the
+    last rank writes its own, and rank 0 says which and where in one line at start. (Given to
+    rank 0 only, the line says nothing will be written: tests/test_launcher_gone.py.)"""
+    base = argv_for(Case("x", [], ""), paths)
+    mine, last = str(tmp_path / "rank0_loss.jsonl"), str(tmp_path / "rank1_loss.jsonl")
+    (code0, out0, err0), (code1, out1, err1) = run_two_ranks(base + ["--loss-log", mine], base + ["--loss-log", last],
+                                                             tmp_path)
+    assert code0 == 0 and code1 == 0, (err0[-2000:], err1[-2000:])
+    said = [line for line in out0.splitlines() + out1.splitlines() if "--loss-log" in line]
+    assert said == [f"> --loss-log {last} is written by rank 1 (the last rank) on {os.uname().nodename}"], said
+    assert os.path.exists(last) and not os.path.exists(mine)
