@@ -254,7 +254,13 @@ def _report_collective_fault(e: BaseException, args) -> None:
     from megatron.training import collective_faults
 
     with collective_faults.sigterm_deferred():
-        _report_error_and_exit(collective_faults.fault_line(e, args.distributed_timeout_minutes))
+        try:
+            line = collective_faults.fault_line(e, args.distributed_timeout_minutes)
+        except Exception:  # noqa: BLE001  (the diagnosis must never hide the fault behind its own traceback)
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            line = (f"lost contact with another rank ({first}): it died, hangs or stopped; see every rank's log, "
+                    "then rerun to resume from the last checkpoint")
+        _report_error_and_exit(line)
 
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
