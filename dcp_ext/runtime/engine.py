@@ -44,10 +44,12 @@ EXCHANGE = "exchange"  # the device clock's key for a pull or push not overlappe
 
 class AdaptiveEngine:
     def __init__(self, replica_types: Sequence[ReplicaType], make_config: Callable, build_model: Callable,
-                 options: EngineOptions = EngineOptions(), grad_scaler=None):
+                 options: EngineOptions = EngineOptions(), grad_scaler=None, forward_step: Callable | None = None):
         """make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
         build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage;
-        grad_scaler: megatron-core's loss scaler under fp16."""
+        grad_scaler: megatron-core's loss scaler under fp16; forward_step: the entry point's
+        (data_iterator, model) -> (output, loss_func), run on every micro-batch (None: the
+        model's per-token loss under the loss mask)."""
         self.options = options
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(options.device) if options.device is not None else default_device()
@@ -55,7 +57,8 @@ class AdaptiveEngine:
         if self.device.type == "cuda":  # megatron-core's GPU initialisation forks its RNG tracker
             seed_rng_tracker(options.init_seed, 0, 0)  # (on meta parameters: the pull gives the values)
         self.bank = StageBank(replica_types, make_config, build_model, device=self.device,
-                              sequence_parallel=options.sequence_parallel, layer_strategies=options.layer_strategies)
+                              sequence_parallel=options.sequence_parallel, layer_strategies=options.layer_strategies,
+                              forward_step=forward_step)
         self.server = ParameterServer(
             self.bank.space, options.optimizer, device=self.device, param_dtype=self.bank.param_dtype,
             num_layers=self.bank.num_layers, norm_init=self.bank.norm_init, init_seed=options.init_seed,
@@ -169,18 +172,25 @@ class AdaptiveEngine:
             ok = self.server.step(norm)
         return StepResult(loss, tokens, norm, ok, moved, worst_wait, scale, timings, exchange_s=least_wait)
 
-    def _reduce(self, local: LocalPlan, loss_sum, tokens: float, moved: float, waited: float,
+    def _reduce(self, local: LocalPlan, loss_sum, tokens, moved: float, waited: float,
                 square=None) -> list[float]:
         """Every token's loss once (last stages, TP rank 0: TP ranks hold identical losses),
         bytes moved summed, the longest and the shortest wait, the squared gradient norm
         summed over the shards: one all-gather, summed in rank order, read on the host once."""
         counts = local.stage.runner.last and local.coords[0] == 0
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        mine = torch.cat([(loss_sum if counts else zero).reshape(1).to(zero.dtype),
-                          values_on_device([tokens if counts else 0.0, moved, waited], self.device),
-                          (square if square is not None else zero).reshape(1)])
+        zero = torch.zeros(1, dtype=torch.float64, device=self.device)
+        mine = torch.cat([_on(loss_sum, self.device) if counts else zero, _on(tokens, self.device) if counts else zero,
+                          values_on_device([moved, waited], self.device),
+                          _on(square, self.device) if square is not None else zero])
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine)
         every = torch.stack(every).cpu()
         return every[:, :3].sum(0).tolist() + [float(every[:, 3].max()), float(every[:, 3].min()),
                                                float(every[:, 4].sum())]
+
+
+def _on(value, device) -> torch.Tensor:
+    """A device scalar, or a host number put on the device without a wait, as a 1-element float64 tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).reshape(1)
+    return values_on_device([value], device)

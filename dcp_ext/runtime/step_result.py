@@ -29,5 +29,9 @@ class StepResult:
         return self.loss_sum / max(self.loss_tokens, 1.0)
 
 
+class ForwardStepError(ValueError):
+    """The entry point's forward_step or loss function does what --dcp cannot run."""
+
+
 class NoTrainableTokens(ValueError):
     """The global batch has no token whose loss counts (all masked, or one-token samples)."""

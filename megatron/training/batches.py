@@ -25,7 +25,8 @@ def get_batch(data_iterator, model) -> dict:
     """The next micro-batch on the model's device, as upstream's `get_batch`: the tensors
     copied without a host wait (pinned, non-blocking on CUDA), the packed sequences' lengths
     kept on the host where the model's layers read them there (dcp_ext.runtime.host_device)."""
-    batch = dict(next(data_iterator))
+    given = next(data_iterator)
+    batch = type(given)(given)  # a copy of the same kind (the --dcp runtime's names what it lacks)
     device = next(model.parameters()).device
     for key in TENSORS:
         batch[key] = to_device(batch[key], device)

@@ -285,7 +285,7 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
     if args.dcp:
         if document_datasets_provider is None:
             raise ArgumentError("--dcp needs a document_datasets_provider (one document per sample)")
-        run = AdaptiveRun(args, document_datasets_provider, model_provider)
+        run = AdaptiveRun(args, document_datasets_provider, model_provider, forward_step_func)
     else:
         run = StaticRun(args, datasets_provider, model_provider, forward_step_func)
     return train_run(args, run)

@@ -300,8 +300,10 @@ class AdaptiveRun:
     documents, the padded vocabulary and the planner (before the memory report, as the
     static path's data), then the engine."""
 
-    def __init__(self, args, document_datasets_provider, model_provider):
+    def __init__(self, args, document_datasets_provider, model_provider, forward_step_func=None):
+        """forward_step_func: the entry point's, run on every micro-batch as on the static path."""
         self.args, self.datasets_provider, self.model_provider = args, document_datasets_provider, model_provider
+        self.forward_step_func = forward_step_func
         self.recalibration = None
 
     def seed(self) -> None:
@@ -337,7 +339,7 @@ class AdaptiveRun:
                                                                 pipeline_model_parallel_size=pp, sequence_parallel=sp),
             lambda config, pre, post, pg: self.model_provider(config, pre_process=pre, post_process=post,
                                                               pg_collection=pg),
-            self.config.engine, grad_scaler=grad_scaler_for(args))
+            self.config.engine, grad_scaler=grad_scaler_for(args), forward_step=self.forward_step_func)
         held = engine.persistent_bytes()
         print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
                      f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
@@ -409,7 +411,7 @@ class AdaptiveSteps:
         return it, time.perf_counter() - t0
 
     def run(self, iteration: int) -> Outcome:
-        from dcp_ext.runtime.step_result import NoTrainableTokens
+        from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
 
         args = self.args
         start = time.perf_counter()
@@ -431,6 +433,8 @@ class AdaptiveSteps:
                                                                    eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
         except NoTrainableTokens:
             raise TrainingError(no_loss_tokens_message(args, iteration + 1, self.train_ds, batch)) from None
+        except ForwardStepError as e:
+            raise TrainingError(str(e)) from None
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             self.scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.runtime.host_device import place_packed_seq_params, to_device
+from dcp_ext.runtime.step_result import ForwardStepError
 from dcp_ext.runtime.schedule.context_parallel import cp_token_indices
 
 
@@ -39,6 +40,19 @@ class LocalMicroBatch:
     loss_tokens: float = 0.0  # this rank's loss-mask sum, counted on the host
     strategies: tuple | None = None  # (tp, cp) of each layer of the stage when the plan switches them
     relayout: object = None  # layer_switch.StageRelayout, built on first use
+
+    def fields(self) -> "MicroBatchFields":
+        """What the entry point's forward_step reads: the static path's batch keys."""
+        return MicroBatchFields(tokens=self.tokens, labels=self.labels, loss_mask=self.loss_mask,
+                                position_ids=self.position_ids, packed_seq_params=self.packed_seq_params)
+
+
+class MicroBatchFields(dict):
+    """A micro-batch as the entry point's forward_step gets it; a key it lacks is one line."""
+
+    def __missing__(self, key):
+        raise ForwardStepError(f"the entry point's forward_step reads batch[{key!r}], which --dcp micro-batches do "
+                               f"not carry (they carry {', '.join(self)}): read only those, or train without --dcp")
 
 
 def localize(batch, cp: int, cp_rank: int, tp: int, sequence_parallel: bool, hidden: int,
@@ -93,10 +107,13 @@ def recompute_during(config, layers_in_stage: int, layers: int):
 class StageRunner:
     """One rank's stage of one replica."""
 
-    def __init__(self, model, config, rep, rank: int, num_layers: int, switching=None):
+    def __init__(self, model, config, rep, rank: int, num_layers: int, switching=None, forward_step=None):
         """switching: the stage's layer_switch.SwitchContext when its micro-batches may
-        switch layer strategies."""
+        switch layer strategies. forward_step: the entry point's `forward_step(data_iterator,
+        model) -> (output, loss_func)`, as the static path calls it; None: the model's
+        per-token loss summed under the loss mask."""
         self.model = model
+        self.forward_step = forward_step
         self.config = config
         self.rep = rep
         self.tp_rank, self.cp_rank, self.pp_rank = rep.coords(rank)
@@ -117,11 +134,35 @@ class StageRunner:
         if mb.strategies is not None:
             switch = self.switching.for_micro_batch(mb, share)
             with recompute_during(self.config, self.layers_in_stage, 0), switch.installed(self.model.decoder):
-                return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
-                                  packed_seq_params=mb.packed_seq_params)
+                return self._call(mb)
         with recompute_during(self.config, self.layers_in_stage, share):
+            return self._call(mb)
+
+    def _call(self, mb: LocalMicroBatch):
+        """(the stage's output, the loss function of the entry point's forward_step or None)."""
+        if self.forward_step is None:
             return self.model(mb.tokens, mb.position_ids, None, labels=mb.labels if self.last else None,
-                              packed_seq_params=mb.packed_seq_params)
+                              packed_seq_params=mb.packed_seq_params), None
+        return self.forward_step(iter([mb.fields()]), self.model)
+
+    @staticmethod
+    def _loss(mb: LocalMicroBatch, out, loss_func):
+        """A last stage's micro-batch: (the loss to back-propagate, before the global batch's
+        scale; its reported sum; its reported token count), the entry point's loss function
+        deciding all three when there is one (as on the static path: its 'lm loss' report)."""
+        if loss_func is None:
+            loss = (out.float() * mb.loss_mask.float()).sum()
+            return loss, loss.detach().double(), mb.loss_tokens
+        result = loss_func(out)
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            raise ForwardStepError("under --dcp the entry point's loss function must return (loss summed over the "
+                                   "micro-batch's tokens, their count, a report dict), upstream's per-token form")
+        loss, count, report = result
+        reported = report.get("lm loss") if isinstance(report, dict) else None
+        if reported is None:
+            return loss, loss.detach().double(), count.detach().double()
+        reported = reported.detach().double().reshape(-1)
+        return loss, reported[0], reported[1]
 
     def evaluate(self, micro_batches: list[LocalMicroBatch], pull=None) -> tuple[torch.Tensor, float]:
         """Forward only, stage by stage. Returns (loss sum on the device, loss tokens) on the
@@ -134,11 +175,12 @@ class StageRunner:
                 if not self.first:
                     pull.drain()
                 x = self._recv_forward(i, micro_batches)
-                out = self._forward(mb, x)
+                out, loss_func = self._forward(mb, x)
                 pull.drain()
                 if self.last:
-                    loss_sum += (out.float() * mb.loss_mask.float()).sum().double()
-                    tokens += mb.loss_tokens
+                    _, reported, count = self._loss(mb, out, loss_func)
+                    loss_sum += reported
+                    tokens = tokens + count
                 else:
                     self._send(out, self.next)
         self.model.train()
@@ -165,13 +207,13 @@ class StageRunner:
             nonlocal loss_sum, tokens
             mb = micro_batches[i]
             with clock.timing(i):
-                out = self._forward(mb, x)
+                out, loss_func = self._forward(mb, x)
                 pull.drain()
                 if self.last:
-                    per_mb = (out.float() * mb.loss_mask.float()).sum()
-                    loss_sum = loss_sum + per_mb.detach().double()
-                    tokens += mb.loss_tokens
-                    out = per_mb * loss_scale
+                    loss, reported, count = self._loss(mb, out, loss_func)
+                    loss_sum = loss_sum + reported
+                    tokens = tokens + count
+                    out = loss * loss_scale
             pending.append((x, out))
             return out
 

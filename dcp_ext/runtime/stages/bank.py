@@ -55,14 +55,14 @@ class StepStreams:
 
 class StageBank:
     def __init__(self, replica_types: Sequence[ReplicaType], make_config: Callable, build_model: Callable, *,
-                 device: torch.device, sequence_parallel: bool, layer_strategies: bool):
+                 device: torch.device, sequence_parallel: bool, layer_strategies: bool, forward_step=None):
         """make_config(tp, cp, pp, sequence_parallel) -> TransformerConfig;
         build_model(config, pre_process, post_process, pg_collection) -> GPTModel stage.
         Creates every process group (collective, once) and the canonical space (the full
         model on the meta device); `build` then builds this rank's stages."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device, self.sequence_parallel = device, sequence_parallel
-        self.make_config, self.build_model = make_config, build_model
+        self.make_config, self.build_model, self.forward_step = make_config, build_model, forward_step
         full_config = make_config(1, 1, 1, False)
         self.num_layers = full_config.num_layers
         self.gated = bool(full_config.gated_linear_unit)
@@ -101,7 +101,8 @@ class StageBank:
             switching = (SwitchContext.for_stage(stage.rep, stage.model.decoder.layers, self.alternatives[rep],
                                                  self.registry, self.rank, self.sequence_parallel)
                          if rep in self.alternatives else None)
-            stage.runner = StageRunner(stage.model, stage.config, rep, self.rank, self.num_layers, switching)
+            stage.runner = StageRunner(stage.model, stage.config, rep, self.rank, self.num_layers, switching,
+                                       self.forward_step)
 
     # ------------------------------------------------------------------- building
     def config(self, rep: ReplicaType):
