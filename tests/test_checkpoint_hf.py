@@ -36,6 +36,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # Llama 3.2's
 
 
+FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+
+
 def tiny_config(kind: str = "llama", **overrides) -> dict:
     cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-6,
@@ -50,8 +53,8 @@ def save_tiny(path: str, kind: str = "llama", seed: int = 0, shard: str | None =
     import torch
     import transformers
 
-    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    name = FAMILY_CLASSES[kind]
+    config_cls, model_cls = getattr(transformers, name + "Config"), getattr(transformers, name + "ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**tiny_config(kind, **overrides)))
     with torch.no_grad():
@@ -391,8 +394,24 @@ REFUSALS = [  # (id, config.json changes, the error line's substring)
     ("yarn-rope-scaling", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}},
      "RoPE scaling 'yarn' is not supported"),
     ("llama3-rope-other-window", {"rope_parameters": dict(LLAMA3_ROPE, original_max_position_embeddings=4096)},
-     "megatron-core's --use-rope-scaling fixes"),
-    ("attention-bias", {"attention_bias": True}, "attention_bias is true"),
+     "{'original_max_position_embeddings': 4096}: megatron-core 0.16.1's --use-rope-scaling has"),
+    ("attention-bias", {"attention_bias": True}, "attention_bias is true with mlp_bias false"),
+    ("mlp-bias-alone", {"mlp_bias": True}, "mlp_bias is true and attention_bias false"),
+    ("qwen3-attention-bias", {"model_type": "qwen3", "attention_bias": True},
+     "attention_bias is true with no MLP bias in 'qwen3'"),
+    ("gemma", {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 32},
+     "model_type 'gemma' cannot be expressed by this fork's GPT model (the (1 + weight) RMSNorm and head_dim would "
+     "be: --apply-layernorm-1p, --kv-channels); it lacks an embedding scale"),
+    ("gemma2", {"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0, "sliding_window": 64},
+     "norms after attention and after the MLP (post_attention/post_feedforward_layernorm; megatron-core's layer "
+     "normalises before them only); logit softcapping (attn_logit_softcapping, final_logit_softcapping"),
+    ("phi3-longrope", {"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "RoPE scaling 'longrope' (Phi-3's long-context per-dimension factors) is not supported"),
+    ("phi3-sliding-window", {"model_type": "phi3", "sliding_window": 64},
+     "sliding-window attention is active (sliding_window 64, max_position_embeddings 128): this fork's attention "
+     "has no window"),
     ("partial-rotary", {"partial_rotary_factor": 0.5}, "partial RoPE"),
     ("missing-field", {"num_hidden_layers": None}, "num_hidden_layers"),
 ]
@@ -429,8 +448,12 @@ def test_what_the_gpt_model_cannot_express_is_one_line(name, changes, needle, pl
 
 @pytest.mark.parametrize("change,needle", [({"normalization": "LayerNorm"}, "--normalization is not RMSNorm"),
                                            ({"swiglu": False}, "--swiglu is off"),
-                                           ({"qk_layernorm": True}, "--qk-layernorm is on")])
-def test_export_refuses_what_a_llama_cannot_hold(change, needle):
+                                           ({"apply_layernorm_1p": True}, "--apply-layernorm-1p is on"),
+                                           ({"qk_layernorm": True, "rotary_percent": 0.5},
+                                            "no Hugging Face family here holds --qk-layernorm with --rotary-percent 0.5"),
+                                           ({"add_qkv_bias": True, "qk_layernorm": True},
+                                            "holds --qk-layernorm with --add-qkv-bias")])
+def test_export_refuses_what_no_family_can_hold(change, needle):
     import argparse
 
     from tools.checkpoint_hf import HFError, shape_from_args

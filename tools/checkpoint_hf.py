@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family models in and out of this fork's checkpoints.
+"""Hugging Face models (Llama, Mistral, Qwen2, Qwen3, Phi-3) in and out of this fork's checkpoints.
 
 Why this exists: most jobs start from a published model and hand the result back to the
 Hugging Face ecosystem. This tool is that bridge, on the CPU, in one process:
@@ -7,29 +7,33 @@ Hugging Face ecosystem. This tool is that bridge, on the CPU, in one process:
     python tools/checkpoint_hf.py export --load CKPT --hf OUT_DIR [--dtype float32|bfloat16|float16]
 
 `import` reads config.json and the safetensors weights (one file, or shards with their
-index) of a Llama, Mistral or Qwen2 model and writes a static checkpoint (megatron-core
-dist-checkpointing, the layout the static path saves: iteration 0, weights only) that both
-paths load: `--load CKPT --finetune`, with or without `--dcp` (the adaptive runtime reads
-static checkpoints' weights, `checkpointing_adaptive.read_static`). It prints the Megatron
-flags the model needs and writes them to CKPT/hf_model_args.txt; the tokenizer files and
-the model's config (CKPT/hf_config.json) are copied next to the checkpoint. `--dcp` adds
-the flags of an adaptive run to what it prints.
+index) of a Llama (biases on every linear too), Mistral, Qwen2, Qwen3 (--qk-layernorm) or
+Phi-3 (fused projections split, partial rotary as --rotary-percent) model and writes a
+static checkpoint (megatron-core dist-checkpointing, the layout the static path saves:
+iteration 0, weights only) that both paths load: `--load CKPT --finetune`, with or without
+`--dcp` (the adaptive runtime reads static checkpoints' weights,
+`checkpointing_adaptive.read_static`). It prints the Megatron flags the model needs and
+writes them to CKPT/hf_model_args.txt; the tokenizer files and the model's config
+(CKPT/hf_config.json) are copied next to the checkpoint. `--dcp` adds the flags of an
+adaptive run to what it prints.
 
 `export` reads a checkpoint of either kind (static, or `--dcp`'s canonical tensors) and
 writes config.json + model.safetensors (+ the tokenizer files it finds next to the
-checkpoint or at the run's --tokenizer-model) that `transformers` loads. The vocabulary is
-cut back to the Hugging Face size (hf_config.json's, else the tokenizer's).
+checkpoint or at the run's --tokenizer-model) that `transformers` loads: the imported
+model's family where it holds the checkpoint's flags, else the one they need (qwen3 for
+--qk-layernorm, qwen2 for --add-qkv-bias, phi3 for --rotary-percent, llama otherwise). The
+vocabulary is cut back to the Hugging Face size (hf_config.json's, else the tokenizer's).
 
-Layouts (megatron-core's GPTModel, TP1 names): fused `linear_qkv` is, per query group,
-[that group's query heads, its key head, its value head]; `linear_fc1` is [gate; up]
-(SwiGLU); RMSNorm weights sit in `input_layernorm` / `pre_mlp_layernorm` (saved under
-transformer-engine's names `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`).
-The vocabulary is padded with zero rows as Megatron pads it (--make-vocab-size-divisible-by).
+Each family's facts (flags, tensor names, layouts) are in tools/hf_families.py. RMSNorm
+weights sit in `input_layernorm` / `pre_mlp_layernorm` (saved under transformer-engine's
+names `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`).
 
-What GPTModel here cannot express is refused in one `error:` line naming it (an unknown
-model_type, an activation other than SiLU, active sliding-window attention, RoPE scaling
-other than Llama 3.1's (megatron-core's --use-rope-scaling), partial rotary, biases beyond
-Qwen2's QKV bias), through the console tools' error boundary.
+What GPTModel here cannot express is refused in one `error:` line naming it, through the
+console tools' error boundary: Gemma and Gemma2 (an embedding scale, a GELU-gated MLP,
+softcapping, norms after attention and MLP), an unknown model_type or an activation other
+than SiLU, active sliding-window attention, RoPE scaling other than Llama 3.1's with its
+built-in constants (megatron-core's --use-rope-scaling), partial rotary outside Phi-3, a
+bias Megatron cannot place (Llama's attention_bias without mlp_bias, or the reverse).
 """
 from __future__ import annotations
 
@@ -39,250 +43,21 @@ import os
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-SUPPORTED = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from tools.hf_families import (  # noqa: E402,F401  (the families' facts; re-exported for callers)
+    FAMILIES, SUPPORTED, HFError, Shape, canonical_shapes, canonical_to_hf, fits, fuse_qkv, hf_config, hf_to_canonical,
+    megatron_flags, shape_from_args, shape_from_config, split_qkv)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 ARGS_FILE = "hf_model_args.txt"
 CONFIG_FILE = "hf_config.json"
 IMPORT_FORMAT = "megatron-weights-from-hf/v1"
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class HFError(RuntimeError):
-    """A model or request this tool cannot handle; the message is one line."""
-
-
-# ------------------------------------------------------------------ the model's shape
-@dataclass
-class Shape:
-    """What the GPT model needs to know of a Llama-family model."""
-    model_type: str
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int
-    head_dim: int
-    vocab: int  # the Hugging Face vocabulary (rows of its embedding)
-    eps: float
-    rope_base: int
-    max_positions: int
-    tied: bool
-    qkv_bias: bool
-    rope_scaling: float | None = None  # Llama 3.1's frequency scaling factor, if any
-
-
-# megatron-core's Llama 3.1 RoPE scaling fixes these; only its factor is a flag (--rope-scaling-factor)
-LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _rope(cfg: dict) -> tuple[float, str, dict]:
-    """(rope_theta, rope type, its parameters): transformers 5's `rope_parameters` or the older
-    top-level `rope_theta` and `rope_scaling`."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
-    return float(theta), kind, dict(params, **scaling)
-
-
-def _rope_scaling(kind: str, params: dict, where: str) -> float | None:
-    """The --rope-scaling-factor of a llama3-scaled RoPE (None: unscaled); other kinds refused."""
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise HFError(f"{where}: RoPE scaling {kind!r} is not supported by this fork's GPT model (only Llama 3.1's "
-                      "'llama3'); convert a model without it")
-    fixed = {k: params.get(k) for k in LLAMA3_FIXED}
-    if any(v is None or float(v) != float(LLAMA3_FIXED[k]) for k, v in fixed.items()):
-        raise HFError(f"{where}: llama3 RoPE scaling with {fixed}: megatron-core's --use-rope-scaling fixes "
-                      f"{LLAMA3_FIXED}; only the factor may differ")
-    return float(params.get("factor", 8.0))
-
-
-def shape_from_config(cfg: dict, where: str) -> Shape:
-    """The model's Shape, or one line naming what GPTModel here cannot express and the fix."""
-    try:
-        return _shape(cfg, where)
-    except (KeyError, TypeError, ValueError) as e:
-        what = f"no field {e.args[0]!r}" if isinstance(e, KeyError) else f"a field of the wrong type ({e})"
-        raise HFError(f"{where}: {what}") from None
-
-
-def _shape(cfg: dict, where: str) -> Shape:
-    kind = cfg.get("model_type")
-    if kind not in SUPPORTED:
-        raise HFError(f"{where}: model_type {kind!r} is not supported; this tool converts {', '.join(SUPPORTED)} "
-                      "(Llama-architecture models)")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFError(f"{where}: hidden_act {act!r}: the GPT model here has SwiGLU (silu) only; no fix but another "
-                      "model")
-    theta, rope_kind, rope_params = _rope(cfg)
-    rope_scaling = _rope_scaling(rope_kind, rope_params, where)
-    if theta != int(theta):
-        raise HFError(f"{where}: rope_theta {theta} is not an integer (--rotary-base takes one)")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise HFError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']}: partial RoPE is not supported "
-                      "here")
-    _refuse_sliding_window(cfg, where)
-    attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
-    if attention_bias or mlp_bias:
-        raise HFError(f"{where}: {'attention_bias' if attention_bias else 'mlp_bias'} is true: biases on the output "
-                      "projection or the MLP are not supported here (only Qwen2's QKV bias)")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    groups = int(cfg.get("num_key_value_heads") or heads)
-    if heads % groups:
-        raise HFError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
-    return Shape(model_type=kind, layers=int(cfg["num_hidden_layers"]), hidden=hidden,
-                 ffn=int(cfg["intermediate_size"]), heads=heads, groups=groups, head_dim=head_dim,
-                 vocab=int(cfg["vocab_size"]), eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_base=int(theta),
-                 max_positions=int(cfg.get("max_position_embeddings", 4096)),
-                 tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
-                 rope_scaling=rope_scaling)
-
-
-def _refuse_sliding_window(cfg: dict, where: str) -> None:
-    window = cfg.get("sliding_window")
-    sliding_layers = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
-    if cfg.get("model_type") == "qwen2":
-        active = bool(cfg.get("use_sliding_window")) or bool(sliding_layers)
-    else:
-        active = window is not None and int(window) < int(cfg.get("max_position_embeddings", 0) or 0) \
-            or bool(sliding_layers)
-    if active:
-        raise HFError(f"{where}: sliding-window attention is active (sliding_window {window}): not supported by "
-                      "this fork's GPT model; convert a model with full attention (sliding_window null)")
-
-
-def megatron_flags(shape: Shape) -> list[str]:
-    """The model-shaping Megatron flags of `shape` (tokenizer and vocabulary flags apart)."""
-    flags = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
-             "--ffn-hidden-size", str(shape.ffn), "--num-attention-heads", str(shape.heads)]
-    if shape.groups != shape.heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(shape.groups)]
-    if shape.head_dim * shape.heads != shape.hidden:
-        flags += ["--kv-channels", str(shape.head_dim)]
-    flags += ["--max-position-embeddings", str(shape.max_positions), "--position-embedding-type", "rope",
-              "--rotary-base", str(shape.rope_base)]
-    if shape.rope_scaling is not None:
-        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(shape.rope_scaling)]
-    flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(shape.eps), "--swiglu", "--disable-bias-linear"]
-    if shape.qkv_bias:
-        flags.append("--add-qkv-bias")
-    if not shape.tied:
-        flags.append("--untie-embeddings-and-output-weights")
-    return flags + ["--hidden-dropout", "0", "--attention-dropout", "0"]
-
-
-# -------------------------------------------------------------- HF names <-> ours
-def hf_to_canonical(hf: dict, shape: Shape, rows: int) -> dict:
-    """{our TP1 parameter name: tensor} from Hugging Face tensors (fp32, vocabulary padded to `rows`)."""
-    import torch
-
-    def take(name):
-        if name not in hf:
-            raise HFError(f"the weights have no tensor {name} (config.json says {shape.layers} layers, "
-                          f"{'tied' if shape.tied else 'untied'} embeddings)")
-        return hf[name].float()
-
-    def pad_rows(t):
-        out = torch.zeros((rows,) + tuple(t.shape[1:]))
-        out[: t.shape[0]] = t
-        return out
-
-    out = {"embedding.word_embeddings.weight": pad_rows(take("model.embed_tokens.weight"))}
-    for i in range(shape.layers):
-        hf_p, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
-        att = hf_p + "self_attn."
-        q, k, v = (take(att + n + ".weight") for n in ("q_proj", "k_proj", "v_proj"))
-        out[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, shape)
-        if shape.qkv_bias:
-            qb, kb, vb = (take(att + n + ".bias")[:, None] for n in ("q_proj", "k_proj", "v_proj"))
-            out[ours + "self_attention.linear_qkv.bias"] = fuse_qkv(qb, kb, vb, shape)[:, 0]
-        out[ours + "self_attention.linear_proj.weight"] = take(att + "o_proj.weight")
-        out[ours + "input_layernorm.weight"] = take(hf_p + "input_layernorm.weight")
-        out[ours + "pre_mlp_layernorm.weight"] = take(hf_p + "post_attention_layernorm.weight")
-        gate, up = take(hf_p + "mlp.gate_proj.weight"), take(hf_p + "mlp.up_proj.weight")
-        out[ours + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[ours + "mlp.linear_fc2.weight"] = take(hf_p + "mlp.down_proj.weight")
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    if not shape.tied:
-        out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
-    return out
-
-
-def canonical_to_hf(ours: dict, shape: Shape) -> dict:
-    """{Hugging Face name: tensor} from our TP1 tensors (vocabulary cut to shape.vocab)."""
-    out = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][: shape.vocab]}
-    for i in range(shape.layers):
-        hf_p, p = f"model.layers.{i}.", f"decoder.layers.{i}."
-        att = hf_p + "self_attn."
-        q, k, v = split_qkv(ours[p + "self_attention.linear_qkv.weight"], shape)
-        out.update({att + "q_proj.weight": q, att + "k_proj.weight": k, att + "v_proj.weight": v})
-        if shape.qkv_bias:
-            qb, kb, vb = split_qkv(ours[p + "self_attention.linear_qkv.bias"][:, None], shape)
-            out.update({att + "q_proj.bias": qb[:, 0], att + "k_proj.bias": kb[:, 0], att + "v_proj.bias": vb[:, 0]})
-        out[att + "o_proj.weight"] = ours[p + "self_attention.linear_proj.weight"]
-        out[hf_p + "input_layernorm.weight"] = ours[p + "input_layernorm.weight"]
-        out[hf_p + "post_attention_layernorm.weight"] = ours[p + "pre_mlp_layernorm.weight"]
-        gate, up = ours[p + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[hf_p + "mlp.gate_proj.weight"], out[hf_p + "mlp.up_proj.weight"] = gate, up
-        out[hf_p + "mlp.down_proj.weight"] = ours[p + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
-    if not shape.tied:
-        out["lm_head.weight"] = ours["output_layer.weight"][: shape.vocab]
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def fuse_qkv(q, k, v, shape: Shape):
-    """megatron-core's fused QKV rows: per query group, its query heads, its key, its value."""
-    import torch
-
-    per = shape.heads // shape.groups
-    d = shape.head_dim
-    q = q.reshape(shape.groups, per * d, -1)
-    k = k.reshape(shape.groups, d, -1)
-    v = v.reshape(shape.groups, d, -1)
-    return torch.cat([q, k, v], dim=1).reshape(shape.groups * (per + 2) * d, -1)
-
-
-def split_qkv(qkv, shape: Shape):
-    per = shape.heads // shape.groups
-    d = shape.head_dim
-    g = qkv.reshape(shape.groups, (per + 2) * d, -1)
-    q, k, v = g[:, : per * d], g[:, per * d : (per + 1) * d], g[:, (per + 1) * d :]
-    cols = qkv.shape[-1]
-    return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
-
-
-def canonical_shapes(shape: Shape, rows: int) -> list[tuple[str, tuple]]:
-    """Our TP1 parameter names and shapes, in the model's order."""
-    qkv_rows = (shape.heads + 2 * shape.groups) * shape.head_dim
-    named = [("embedding.word_embeddings.weight", (rows, shape.hidden))]
-    for i in range(shape.layers):
-        p = f"decoder.layers.{i}."
-        named += [(p + "input_layernorm.weight", (shape.hidden,)),
-                  (p + "self_attention.linear_proj.weight", (shape.hidden, shape.heads * shape.head_dim)),
-                  (p + "self_attention.linear_qkv.weight", (qkv_rows, shape.hidden))]
-        if shape.qkv_bias:
-            named.append((p + "self_attention.linear_qkv.bias", (qkv_rows,)))
-        named += [(p + "pre_mlp_layernorm.weight", (shape.hidden,)),
-                  (p + "mlp.linear_fc1.weight", (2 * shape.ffn, shape.hidden)),
-                  (p + "mlp.linear_fc2.weight", (shape.hidden, shape.ffn))]
-    named.append(("decoder.final_layernorm.weight", (shape.hidden,)))
-    if not shape.tied:
-        named.append(("output_layer.weight", (rows, shape.hidden)))
-    return named
 
 
 # --------------------------------------------------------------------- files
@@ -493,33 +268,6 @@ def do_import(opts) -> int:
 
 
 # -------------------------------------------------------------------- export
-def shape_from_args(saved: argparse.Namespace, where: str) -> Shape:
-    """The Shape of a checkpoint trained here, from its stored flags; one line for what a
-    Llama-family model cannot hold."""
-    get = lambda name, default=None: getattr(saved, name, default)  # noqa: E731
-    differences = [("--normalization is not RMSNorm", get("normalization") != "RMSNorm"),
-                   ("--swiglu is off", not get("swiglu")),
-                   ("--position-embedding-type is not rope", get("position_embedding_type") != "rope"),
-                   ("--disable-bias-linear is off", not get("disable_bias_linear")),
-                   ("--qk-layernorm is on", bool(get("qk_layernorm"))),
-                   ("--apply-layernorm-1p is on", bool(get("apply_layernorm_1p"))),
-                   ("--rotary-percent is not 1", float(get("rotary_percent", 1.0)) != 1.0),
-                   ("--rotary-interleaved is on", bool(get("rotary_interleaved")))]
-    found = [what for what, differs in differences if differs]
-    if found:
-        raise HFError(f"{where}: only Llama-architecture models export to Hugging Face, and this one's "
-                      f"{found[0]}")
-    heads = int(get("num_attention_heads"))
-    hidden = int(get("hidden_size"))
-    return Shape(model_type="qwen2" if get("add_qkv_bias") else "llama", layers=int(get("num_layers")),
-                 hidden=hidden, ffn=int(get("ffn_hidden_size")), heads=heads,
-                 groups=int(get("num_query_groups") or heads), head_dim=int(get("kv_channels") or hidden // heads),
-                 vocab=0, eps=float(get("norm_epsilon", 1e-5)), rope_base=int(get("rotary_base", 10000)),
-                 max_positions=int(get("max_position_embeddings") or get("seq_length") or 4096),
-                 tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
-                 rope_scaling=float(get("rope_scaling_factor", 8.0)) if get("use_rope_scaling") else None)
-
-
 def find_base(load: str, saved) -> str | None:
     """Where the model's Hugging Face config and tokenizer were left: next to the checkpoint
     (an import), or at the run's --tokenizer-model (a run started from an import)."""
@@ -580,26 +328,6 @@ def _read_dcp(path: str, common: dict) -> dict:
     return {local_name(n): state[n].float() for n, _ in common["canonical"]}
 
 
-def hf_config(shape: Shape, base: dict | None, dtype: str) -> dict:
-    """config.json: the imported model's own, its shape fields checked, else a fresh one."""
-    cfg = dict(base or {})
-    cfg.setdefault("model_type", shape.model_type)
-    cfg.setdefault("architectures", [ARCHITECTURES.get(cfg["model_type"], "LlamaForCausalLM")])
-    cfg.update({"hidden_size": shape.hidden, "intermediate_size": shape.ffn, "num_hidden_layers": shape.layers,
-                "num_attention_heads": shape.heads, "num_key_value_heads": shape.groups, "head_dim": shape.head_dim,
-                "hidden_act": "silu", "max_position_embeddings": shape.max_positions, "rms_norm_eps": shape.eps,
-                "tie_word_embeddings": shape.tied, "vocab_size": shape.vocab, "torch_dtype": dtype, "dtype": dtype})
-    if cfg["model_type"] != "qwen2":
-        cfg.update({"attention_bias": False, "mlp_bias": False})
-    rope = {"rope_type": "default", "rope_theta": float(shape.rope_base)}
-    if shape.rope_scaling is not None:
-        rope.update(LLAMA3_FIXED, rope_type="llama3", factor=shape.rope_scaling)
-    cfg.pop("rope_scaling", None)
-    cfg["rope_theta"] = float(shape.rope_base)
-    cfg["rope_parameters"] = rope
-    return cfg
-
-
 def do_export(opts) -> int:
     import torch
     from safetensors.torch import save_file
@@ -623,8 +351,8 @@ def do_export(opts) -> int:
                       (tokenizer_size(base_dir) if base_dir else None) or _null_vocab(saved) or rows)
     if shape.vocab > rows:
         raise HFError(f"--vocab-size {shape.vocab} exceeds the checkpoint's {rows} vocabulary rows")
-    if base is not None and base.get("model_type") in SUPPORTED:
-        shape.model_type = base["model_type"]
+    if base is not None and fits(base.get("model_type"), shape):
+        shape.model_type = base["model_type"]  # the imported model's family (mistral for a plain llama shape)
     dtype = opts.dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
     if dtype not in DTYPES:
         dtype = "float32"
@@ -649,8 +377,8 @@ def _null_vocab(saved) -> int | None:
 def parse(argv: list[str]):
     from dcp_ext.cli.boundary import Parser
 
-    p = Parser(prog="checkpoint_hf.py", description="Hugging Face Llama-family models in and out of this fork's "
-                                                   "checkpoints.")
+    p = Parser(prog="checkpoint_hf.py", description="Hugging Face models (Llama, Mistral, Qwen2, Qwen3, Phi-3) in and "
+                                                   "out of this fork's checkpoints.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     imp = sub.add_parser("import", help="a Hugging Face model directory -> a checkpoint --load reads")
     imp.add_argument("--hf", required=True, help="the model directory (config.json, *.safetensors, tokenizer files)")
