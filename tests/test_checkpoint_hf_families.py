@@ -4,10 +4,11 @@ Why a file of its own: tests/test_checkpoint_hf.py holds the tool's contract on 
 (both paths, TP, fine-tuning across paths); these tests hold each further family to the
 same rule, one family per fixture, cheaply: a tiny random model of the family (norm weights
 and biases randomised so a swapped or dropped one shows) is built with `transformers`,
-imported, and one real training iteration on each path (the static path and --dcp, one
-rank each, tests/hf_logits_entry.py writing every forward's logits) must give the Hugging
-Face forward's logits on the same tokens within 1e-5 (fp32); exported untrained, the
-safetensors equal the original bit for bit, in the family's own layout and config.
+imported, and one real training iteration on each path (the static path on one rank, --dcp
+on two as TP2 replicas; tests/hf_logits_entry.py writes every forward's logits) must give
+the Hugging Face forward's logits on the same tokens within 1e-5 (fp32), and its logged loss
+Hugging Face's loss; exported untrained, the safetensors equal the original bit for bit,
+in the family's own layout, with a config that gives the same logits.
 
     qwen3        q_norm / k_norm per head (--qk-layernorm), head_dim 32 != hidden / heads
                  (--kv-channels), tied embeddings
@@ -24,7 +25,7 @@ import types
 import pytest
 
 from tests.helpers import run_tool
-from tests.test_checkpoint_hf import (TOL, TOOL, assert_same_tensors, export, first_loss, hf_loss, hf_model,
+from tests.test_checkpoint_hf import (TOL, TOOL, VOCAB, assert_same_tensors, export, first_loss, hf_loss, hf_model,
                                       max_logit_difference, run_dumped, run_flags, save_tiny, tensors_of)
 
 FAMILIES = {  # id: (model_type, config overrides, what the printed flags must hold)
@@ -51,20 +52,25 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.dist
 def test_family_imports_trains_with_hugging_faces_logits_on_both_paths_and_round_trips(family, text_corpus):
+    import torch
+
     line = " ".join(family.flags)
     for needle in family.needles:
         assert needle in line, needle
     hf = hf_model(family.hf)
-    for path, extra in (("static", []), ("dcp", ["--dcp", "--dcp-global-batch-tokens", "512",
-                                                 "--dcp-recalibration", "off"])):
-        dump = run_dumped(family, 1, run_flags(family, text_corpus, path, *extra), path)
+    dcp_tp2 = ["--dcp", "--dcp-planner", "static", "--tensor-model-parallel-size", "2",
+               "--dcp-global-batch-tokens", "512", "--dcp-recalibration", "off"]
+    for path, ranks, extra in (("static", 1, []), ("dcp_tp2", 2, dcp_tp2)):
+        dump = run_dumped(family, ranks, run_flags(family, text_corpus, path, *extra), path)
         assert max_logit_difference(dump, hf) < TOL, path
         assert first_loss(family, path) == pytest.approx(hf_loss(dump, hf), abs=TOL), path
     out = export(family.ckpt, str(family.root / "out"))
     assert_same_tensors(tensors_of(family.hf), tensors_of(out))
-    config = json.load(open(os.path.join(out, "config.json")))
-    assert config["model_type"] == family.kind
-    hf_model(out)  # transformers loads it
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == family.kind
+    # the exported config means the same model (a bias or rotary fraction it dropped would not load as used)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(hf_model(out)(input_ids=tokens).logits, hf(input_ids=tokens).logits)
 
 
 # ------------------------------------------------------------------ fast tier
