@@ -85,6 +85,8 @@ def test_each_family_s_config_means_these_flags():
 
     assert "--qk-layernorm " in line(model_type="qwen3") and "--qk-layernorm" not in line(model_type="llama")
     assert "--kv-channels 32 " in line(model_type="qwen3", head_dim=32)
+    assert "--kv-channels 128 " in line(model_type="qwen3")  # transformers' Qwen3 default, not hidden / heads
+    assert "--kv-channels" not in line(model_type="llama")
     # transformers 5 keeps partial_rotary_factor in rope_parameters, older ones at the top level
     assert "--rotary-percent 0.75 " in line(model_type="phi3", rope_parameters={"rope_theta": 10000.0,
                                                                                 "partial_rotary_factor": 0.75})
@@ -140,3 +142,20 @@ def test_fused_phi3_projections_split_and_fuse_back():
     assert qkv[:, 0].tolist()[:8] == [0, 8, 16, 24, 64, 72, 96, 104]
     assert torch.equal(ours["decoder.layers.0.mlp.linear_fc1.weight"], hf["model.layers.0.mlp.gate_up_proj.weight"])
     assert_same_tensors(hf, canonical_to_hf(ours, shape))
+
+
+def test_weights_of_other_sizes_than_the_config_s_are_one_line():
+    import torch
+
+    from tools.hf_families import HFError, Shape, hf_shapes, hf_to_canonical
+
+    shape = Shape("qwen3", 1, 8, 6, heads=4, groups=2, head_dim=4, vocab=5, eps=1e-6, rope_base=10000,
+                  max_positions=8, tied=True, qkv_bias=False, qk_norm=True)
+    hf = {name: torch.zeros(size) for name, size in hf_shapes(shape).items()}
+    assert hf["model.layers.0.self_attn.q_norm.weight"].shape == (4,)
+    assert hf["model.layers.0.self_attn.k_proj.weight"].shape == (8, 8)
+    hf_to_canonical(hf, shape, rows=8)
+    hf["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(4, 8)  # a head_dim the config does not give
+    with pytest.raises(HFError, match=r"the weights' model.layers.0.self_attn.k_proj.weight is \[4, 8\], "
+                                      r"config.json's sizes give \[8, 8\]"):
+        hf_to_canonical(hf, shape, rows=8)

@@ -41,6 +41,7 @@ class Family:
     bias_fields: tuple = ()  # config flags that add biases: ("attention_bias", "mlp_bias") = Llama's
     partial_rotary: bool = False  # its attention rotates the first partial_rotary_factor of each head (Phi-3)
     window_switch: str | None = None  # the flag that turns sliding_window on (Qwen's), else it is on when set
+    head_dim: int | None = None  # transformers' default where config.json has none (else hidden / heads)
 
 
 FAMILIES = {
@@ -48,7 +49,7 @@ FAMILIES = {
     "mistral": Family("MistralForCausalLM"),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window_switch="use_sliding_window"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, bias_fields=("attention_bias",),
-                    window_switch="use_sliding_window"),
+                    window_switch="use_sliding_window", head_dim=128),
     "phi3": Family("Phi3ForCausalLM", fused=True, partial_rotary=True),
 }
 SUPPORTED = tuple(FAMILIES)
@@ -169,7 +170,7 @@ def _shape(cfg: dict, where: str) -> Shape:
         raise HFError(f"{where}: rope_theta {theta} is not an integer (--rotary-base takes one)")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int(cfg.get("head_dim") or family.head_dim or hidden // heads)
     rotary = _partial_rotary(cfg, rope_params)
     if rotary != 1.0:
         if not family.partial_rotary:
@@ -255,10 +256,15 @@ def hf_to_canonical(hf: dict, shape: Shape, rows: int) -> dict:
     """{our TP1 parameter name: tensor} from Hugging Face tensors (fp32, vocabulary padded to `rows`)."""
     import torch
 
+    expected = hf_shapes(shape)
+
     def take(name):
         if name not in hf:
             raise HFError(f"the weights have no tensor {name} (config.json says {shape.model_type}, {shape.layers} "
                           f"layers, {'tied' if shape.tied else 'untied'} embeddings)")
+        if tuple(hf[name].shape) != expected[name]:
+            raise HFError(f"the weights' {name} is {list(hf[name].shape)}, config.json's sizes give "
+                          f"{list(expected[name])}: the config does not belong to these weights")
         return hf[name].float()
 
     def pad_rows(t):
@@ -300,6 +306,14 @@ def hf_to_canonical(hf: dict, shape: Shape, rows: int) -> dict:
     if not shape.tied:
         out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
     return out
+
+
+def hf_shapes(shape: Shape) -> dict:
+    """{Hugging Face name: shape} of a model of `shape` (worked out on the meta device)."""
+    import torch
+
+    empty = {n: torch.empty(s, device="meta") for n, s in canonical_shapes(shape, shape.vocab)}
+    return {n: tuple(t.shape) for n, t in canonical_to_hf(empty, shape).items()}
 
 
 def canonical_to_hf(ours: dict, shape: Shape) -> dict:
