@@ -1,7 +1,8 @@
 """pretrain_gpt_dcp.py with the logits of every forward of every rank written down.
 
-Why it exists: tests/test_checkpoint_hf.py holds the logits of an imported model, on the
-static path and under --dcp, to the Hugging Face forward on the same tokens. The runs are
+Why it exists: tests/test_checkpoint_hf.py (and test_checkpoint_hf_families.py, per family)
+holds the logits of an imported model, on the static path and under --dcp, to the Hugging
+Face forward on the same tokens. The runs are
 the real entry point, unchanged; this wrapper only registers hooks on every GPTModel built:
 a pre-hook keeps the forward's tokens, labels, position ids and packed-sequence offsets, and
 a hook on the output layer writes its logits (this rank's vocabulary shard) with the output

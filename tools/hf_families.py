@@ -15,7 +15,8 @@ refused in one `error:` line naming it (an `HFError`).
              split here; partial_rotary_factor as --rotary-percent
     refused  gemma / gemma2 / gemma3_text (no embedding scale, no GELU-gated MLP, ...),
              active sliding windows, RoPE scalings other than Llama 3.1's with its fixed
-             constants, a Llama output-projection bias without MLP biases (or the reverse)
+             constants, a Llama output-projection bias without MLP biases (or the reverse),
+             Qwen3's attention_bias (q/k/v/o without the MLP), weights of other sizes
 
 Layouts (megatron-core's GPTModel, TP1 names): fused `linear_qkv` is, per query group,
 [that group's query heads, its key head, its value head]; `linear_fc1` is [gate; up];
