@@ -355,9 +355,10 @@ CASES += [
          "--data-path weights must be finite numbers > 0: 0 1", code=2, base="dcp"),
     Case("split-four-parts", ["--split", "1,2,3,4"], "bad --split '1,2,3,4'", code=2),
     # upstream's other data flags (dcp_ext/data/data_paths.py)
+    # without --tokenizer-type, --vocab-file/--merge-file are upstream's pretrain_gpt.py default GPT2BPETokenizer's
     Case("tokenizer-files-without-type", ["--drop", "--tokenizer-type", "--drop", "--vocab-size", "--vocab-file",
                                           "{tmp}/gpt2-vocab.json", "--merge-file", "{tmp}/gpt2-merges.txt"],
-         "no --tokenizer-type: add --tokenizer-type GPT2BPETokenizer", code=1),
+         "--vocab-file not found: {tmp}/gpt2-vocab.json", code=1),
     Case("tokenizer-none-given", ["--drop", "--tokenizer-type", "--drop", "--vocab-size"],
          "no tokenizer: give --tokenizer-type", code=1, base="dcp"),
     Case("data-path-and-train-data-path", ["--train-data-path", "{corpus}"],

@@ -43,14 +43,19 @@ def read_line(name: str) -> list[str]:
         return [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#")]
 
 
-def shrink(argv: list[str], tmp: str) -> list[str]:
+def shrink(argv: list[str], tmp: str, sizes: dict | None = None, paths=PATHS) -> list[str]:
+    """`argv` with each flag of `sizes` given that value (all its values replaced by it) and each
+    flag of `paths` pointed into `tmp` (same base name); every other token as it was."""
+    sizes = SIZES if sizes is None else sizes
     out, i = [], 0
     while i < len(argv):
         flag = argv[i]
-        if flag in SIZES or flag in PATHS:
-            value = SIZES.get(flag) or os.path.join(tmp, os.path.basename(argv[i + 1]))
-            out += [flag, value]
-            i += 2
+        if flag in sizes or flag in paths:
+            value = sizes.get(flag) or os.path.join(tmp, os.path.basename(argv[i + 1]))
+            out += [flag] + (value if isinstance(value, list) else [value])
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
         else:
             out.append(flag)
             i += 1

@@ -49,8 +49,14 @@ class ArrayLengths:
 
 
 class GlobalBatchStream:
-    def __init__(self, dataset, global_batch_tokens: int, max_seq_len: int, consumed_samples: int = 0,
-                 limit: int | None = None):
+    """`global_batch_tokens`: every batch's token budget, or a function of the batch's index
+    (`first_batch` for the first batch this stream draws): a batch-size schedule's budgets."""
+
+    def __init__(self, dataset, global_batch_tokens, max_seq_len: int, consumed_samples: int = 0,
+                 limit: int | None = None, first_batch: int = 0):
+        self._budget = global_batch_tokens if callable(global_batch_tokens) else None
+        if self._budget is not None:
+            global_batch_tokens = 1  # asked of the function as each batch is drawn
         if global_batch_tokens < 1 or max_seq_len < 1:
             raise ValueError("global_batch_tokens and max_seq_len must be >= 1")
         if consumed_samples < 0:
@@ -58,7 +64,8 @@ class GlobalBatchStream:
         if isinstance(dataset, ArrayLengths) and limit is None:
             limit = len(dataset)
         self.dataset = dataset
-        self.global_batch_tokens = int(global_batch_tokens)
+        self.global_batch_tokens = int(global_batch_tokens)  # the next batch's budget
+        self._drawn = first_batch  # index of the next batch to draw
         self.max_seq_len = int(max_seq_len)
         self.limit = limit
         self._consumed = int(consumed_samples)
@@ -71,6 +78,10 @@ class GlobalBatchStream:
         return self._consumed
 
     def _draw(self) -> GlobalBatch | None:
+        if self._budget is not None:
+            self.global_batch_tokens = int(self._budget(self._drawn))
+            if self.global_batch_tokens < 1:
+                raise ValueError(f"batch {self._drawn}: global_batch_tokens must be >= 1")
         start = self._cursor
         if self.limit is not None and start >= self.limit:
             return None
@@ -88,6 +99,7 @@ class GlobalBatchStream:
             self._window *= 2  # the batch may go on past the window: look further
         self._window = max(256, 2 * len(batch))
         self._cursor = start + len(batch)
+        self._drawn += 1
         return GlobalBatch([start + i for i in batch], [int(lengths[i]) for i in batch])
 
     def peek(self, k: int = 1) -> list[GlobalBatch]:

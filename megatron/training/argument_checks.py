@@ -16,8 +16,8 @@ import re
 
 from megatron.training import loop_flags
 from megatron.training.argument_errors import ArgumentError
+from megatron.training import flag_refusals, sft_flags
 from megatron.training.model_flags import check_model_flags
-from megatron.training.upstream_flags import check_upstream_flags
 
 # Ranges of every numeric flag, checked before any relation (a zero would divide; a negative
 # count or a NaN would train on nonsense). (low, low inclusive, high, high inclusive); None: open.
@@ -89,6 +89,9 @@ def check_files(args: argparse.Namespace) -> None:
         split_bookends(args.split)
     except DataError as e:
         raise ArgumentError(str(e)) from None
+    problem = sft_flags.data_problem(args)
+    if problem:
+        raise ArgumentError(problem)
     if args.load:
         tracker = "latest_checkpointed_iteration.txt"
         if os.path.exists(args.load) and not os.path.isdir(args.load):
@@ -136,7 +139,7 @@ def validate_args(args: argparse.Namespace) -> None:
         if not cond:
             raise ArgumentError(message)
 
-    check_upstream_flags(args)  # first: a refused upstream flag is the answer, whatever else the line holds
+    flag_refusals.check(args)  # first: the line's refused flags, all of them, are the answer, whatever else it holds
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     need(args.train_iters is not None, "--train-iters (or --train-samples) is required")

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from megatron.training import loop_flags
+from megatron.training import flag_refusals, loop_flags, sft_flags
 from megatron.training.argument_checks import check_ranges, validate_args
 from megatron.training.argument_errors import ArgumentError
 from megatron.training.argument_yaml import load_yaml_defaults
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dcp-recalibration", choices=["on", "off"], default="on",
                    help="refit the cost model from the run's own timings as it trains (off: the prices stay "
                         "the analytic or --dcp-cost-profile ones, so plans are bit-reproducible)")
+    g.add_argument("--dcp-calibrate-at-start", choices=["on", "off"], default="on",
+                   help="before training, run every candidate layout once on the first global batch (no "
+                        "update) and choose the candidate pool from the measured prices (with "
+                        "--dcp-recalibration on, on a fresh start)")
     g.add_argument("--dcp-layer-strategies", choices=["on", "off"], default="off",
                    help="ParaDySe: the adaptive planner may run each layer of a micro-batch under its own "
                         "re-factoring (tp, cp) of its replica's tp*cp ranks (plan contract v2)")
@@ -215,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     loop_flags.add_loop_flags(p)  # the training loop's and checkpoints' upstream flags
     add_model_flags(p)
+    sft_flags.add_sft_flags(p)
     add_upstream_flags(p)  # last: upstream's flags we do not define, refused or accepted with a reason
     return allow_negative_numbers(p)
 
@@ -223,6 +228,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     """Parse Megatron flags (and --yaml-cfg), fill derived values, validate for `world_size`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_flags(build_parser(), argv, "see pretrain_gpt_dcp.py --help")
+    flag_refusals.check(args)  # every refused flag of the line at once, before any other check
     if world_size is None:
         world_size = world_size_from_env(os.environ)
     args.world_size = world_size
@@ -283,13 +289,15 @@ def memory_size(text) -> int:
 
 
 def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str], hint: str) -> argparse.Namespace:
-    """Flags over --yaml-cfg values over the parser's defaults; an unknown flag is one line."""
+    """Flags over --yaml-cfg values over the parser's defaults. Unknown flags are kept for
+    `flag_refusals.check` (which `validate_args` runs first), to be said with the line's other
+    refused flags in one line."""
     pre, _ = _yaml_only_parser().parse_known_args(argv)
     if pre.yaml_cfg:
         load_yaml_defaults(parser, pre.yaml_cfg)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise ArgumentError(f"unknown flag {unknown[0]} ({hint})")
+        setattr(args, flag_refusals.UNKNOWN_ATTR, (unknown, hint, list(parser._option_string_actions)))
     return args
 
 
@@ -303,6 +311,10 @@ def fill_derived(args: argparse.Namespace) -> None:
     """Megatron's derived defaults."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if args.tokenizer_type is None and (args.vocab_file or args.merge_file):
+        args.tokenizer_type = "GPT2BPETokenizer"  # upstream's pretrain_gpt.py default (its GPT-3 and sc21 scripts)
+        args.tokenizer_type_defaulted = True
+    sft_flags.fill_sft(args)
     if args.num_query_groups is not None:
         args.group_query_attention = True
     if not args.group_query_attention or args.num_query_groups is None:

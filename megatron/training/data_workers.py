@@ -15,21 +15,22 @@ import torch
 
 class _MegatronOrder:
     """Index lists of one micro-batch each, for one DP rank, from `consumed_samples` on
-    (the order of `training.micro_batches`)."""
+    (the order of `training.micro_batches`); global batches of `sizes` (an iterator of the
+    global batch sizes from there: --global-batch-size, or a batch-size schedule's)."""
 
-    def __init__(self, dataset_len: int, consumed: int, args, dp_rank: int, dp_size: int):
+    def __init__(self, dataset_len: int, consumed: int, args, dp_rank: int, dp_size: int, sizes):
         self.n, self.consumed = dataset_len, consumed
-        self.mbs, self.gbs = args.micro_batch_size, args.global_batch_size
+        self.mbs, self.sizes = args.micro_batch_size, sizes
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def __iter__(self):
         consumed = self.consumed
         step = self.mbs * self.dp_size
-        while True:
-            for m in range(self.gbs // step):
+        for gbs in self.sizes:
+            for m in range(gbs // step):
                 start = consumed + m * step + self.dp_rank * self.mbs
                 yield [(start + i) % self.n for i in range(self.mbs)]
-            consumed += self.gbs
+            consumed += gbs
 
 
 def _as_list(samples):
@@ -39,20 +40,25 @@ def _as_list(samples):
 class WorkerBatches:
     """`next_global_batch()`: this rank's micro-batches of the next global batch."""
 
-    def __init__(self, dataset, consumed: int, args, dp_rank: int, dp_size: int, collate):
+    def __init__(self, dataset, consumed: int, args, dp_rank: int, dp_size: int, collate, first_iteration: int = 0):
+        import itertools
+
+        from megatron.training.batch_schedule import batch_size_of_iteration
+
         self.collate = collate
-        self.per_batch = args.global_batch_size // (args.micro_batch_size * dp_size)
+        self.step = args.micro_batch_size * dp_size
+        sizes = (batch_size_of_iteration(args, k) for k in itertools.count(first_iteration))
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=_MegatronOrder(len(dataset), consumed, args, dp_rank, dp_size),
+            dataset, batch_sampler=_MegatronOrder(len(dataset), consumed, args, dp_rank, dp_size, sizes),
             num_workers=args.num_workers, collate_fn=_as_list, persistent_workers=True)
         self.loader = loader
         self.it = iter(loader)
 
-    def next_global_batch(self) -> list:
+    def next_global_batch(self, global_batch_size: int) -> list:
         from dcp_ext.data.errors import DataError
 
         out = []
-        for _ in range(self.per_batch):
+        for _ in range(global_batch_size // self.step):
             try:
                 samples = next(self.it)
             except DataError as e:  # the worker's traceback text: keep its last line, the message

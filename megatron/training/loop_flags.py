@@ -27,6 +27,10 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
                    help="train on this many samples: --train-iters = train-samples // --global-batch-size and the LR "
                         "schedule counts samples. Under --dcp an iteration is one global batch of tokens and counts as "
                         "--global-batch-size samples for the schedule")
+    g.add_argument("--step-batch-size-schedule", type=str, nargs="+", default=None, metavar="THRESHOLD:SIZE",
+                   help="upstream's step-wise global batch size: \"0:16 2.4B:320 ...\" (thresholds in tokens trained, "
+                        "suffixes K/M/B/T); quoted or as separate words. --global-batch-size, if given, must be "
+                        "its final size (upstream refuses the two together)")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
@@ -82,7 +86,8 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
 
 def check_schedule_forms(args) -> None:
     """Before derived values: the sample and iteration forms of the schedule exclude each other
-    (upstream's rule), and the sample counts are in range."""
+    (upstream's rule), and the sample counts are in range; the batch-size schedule parses."""
+    check_batch_schedule(args)
     for name in ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples",
                  "manual_gc_interval", "profile_step_start", "profile_step_end"):
         value = getattr(args, name)
@@ -110,20 +115,61 @@ def check_schedule_forms(args) -> None:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give one")
 
 
+def check_batch_schedule(args) -> None:
+    """--step-batch-size-schedule: parsed into `args.batch_schedule` (None without it); its final
+    size becomes --global-batch-size (the evaluation batch, and an iteration's samples for the LR
+    schedule of --train-iters), which a user may also give when it is that size."""
+    from megatron.training.batch_schedule import BatchSchedule, ScheduleError, parse
+
+    args.batch_schedule = None
+    if args.step_batch_size_schedule is None or not args.seq_length:
+        return
+    text = " ".join(args.step_batch_size_schedule)
+    try:
+        schedule = BatchSchedule(parse(text, args.seq_length))
+    except ScheduleError as e:
+        raise ArgumentError(f"--step-batch-size-schedule {e}") from None
+    args.step_batch_size_schedule = text
+    if args.global_batch_size is not None and args.global_batch_size != schedule.final_size:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} differs from --step-batch-size-schedule's "
+                            f"final size {schedule.final_size}: drop --global-batch-size (the schedule sets every "
+                            "iteration's size; upstream refuses the two together)")
+    if args.dcp_global_batch_tokens is not None:
+        raise ArgumentError("--dcp-global-batch-tokens and --step-batch-size-schedule both size the global batch: keep "
+                            "one (under --dcp the schedule's sizes are budgets of size x --seq-length tokens)")
+    args.global_batch_size = schedule.final_size
+    args.batch_schedule = schedule
+
+
 def fill_loop_derived(args) -> None:
     """After `fill_derived` (which knows --global-batch-size): train iterations from samples,
-    and what one scheduler step counts (an iteration, or its samples)."""
-    args.lr_schedule_in_samples = args.train_samples is not None
+    and what one scheduler step counts (an iteration, or its samples). With a batch-size
+    schedule the LR schedule always counts samples, as upstream's: a step is the iteration's
+    batch size (the loops pass it), --lr-decay-iters/--lr-warmup-iters count --global-batch-size
+    (the final size) per iteration."""
+    schedule = getattr(args, "batch_schedule", None)
+    args.lr_schedule_in_samples = args.train_samples is not None or schedule is not None
     args.lr_step_increment = 1
     if args.train_samples is not None and args.global_batch_size:
-        args.train_iters = args.train_samples // args.global_batch_size
+        args.train_iters = schedule.iterations_for(args.train_samples) if schedule is not None \
+            else args.train_samples // args.global_batch_size
         if args.lr_decay_samples is None:
             args.lr_decay_samples = args.train_samples
+        args.lr_step_increment = args.global_batch_size
+    elif schedule is not None:
         args.lr_step_increment = args.global_batch_size
 
 
 def scheduler_steps(args) -> dict:
-    """OptimizerParamScheduler's step counts: iterations, or samples under --train-samples."""
+    """OptimizerParamScheduler's step counts: iterations, or samples under --train-samples (or
+    a batch-size schedule: upstream's iteration counts times --global-batch-size)."""
+    if args.lr_schedule_in_samples and args.train_samples is None:
+        gbs = args.global_batch_size
+        decay = max(args.lr_decay_iters or 1, 1) * gbs
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None \
+            else args.lr_warmup_iters * gbs
+        return dict(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=max(args.train_iters, 1) * gbs,
+                    wsd_decay_steps=args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None)
     if args.lr_schedule_in_samples:
         decay = args.lr_decay_samples
         warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
@@ -133,8 +179,29 @@ def scheduler_steps(args) -> dict:
                 wd_incr_steps=max(args.train_iters, 1), wsd_decay_steps=args.lr_wsd_decay_iters)
 
 
+def refusals(args) -> list:
+    """[(flags, line)] for the loop and checkpoint flags given with a value this fork cannot honour."""
+    out = []
+    if args.ckpt_format != "torch_dist":
+        out.append((["--ckpt-format"], f"--ckpt-format {args.ckpt_format} is not supported: this fork writes and reads "
+                    "torch_dist (megatron.core.dist_checkpointing); pass --ckpt-format torch_dist or drop the flag"))
+    return out
+
+
 def validate_loop_flags(args) -> None:
     """The loop and checkpoint flags' relations; one line naming the fix."""
+    schedule = getattr(args, "batch_schedule", None)
+    if schedule is not None and not args.dcp:
+        step = args.micro_batch_size * args.data_parallel_size
+        bad = [size for size in schedule.sizes if size % step]
+        if bad:
+            raise ArgumentError(f"--step-batch-size-schedule size {bad[0]} is not divisible by micro-batch-size x "
+                                f"data-parallel-size = {args.micro_batch_size} x {args.data_parallel_size}: change the "
+                                "schedule or the layout (under --dcp any size is a token budget)")
+    if schedule is not None and args.dcp and min(schedule.sizes) * args.seq_length < args.dcp_max_seq_len:
+        raise ArgumentError(f"--step-batch-size-schedule size {min(schedule.sizes)} x --seq-length {args.seq_length} "
+                            f"tokens is below --dcp-max-seq-len {args.dcp_max_seq_len}: a global batch must hold one "
+                            "pack; raise the smallest size or lower --dcp-max-seq-len")
     if args.train_samples is not None:
         if args.train_iters < 1:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
@@ -157,9 +224,8 @@ def validate_loop_flags(args) -> None:
                    f"{args.profile_step_start}")
     if args.profile_ranks and any(r < 0 or r >= args.world_size for r in args.profile_ranks):
         raise ArgumentError(f"--profile-ranks {' '.join(map(str, args.profile_ranks))}: ranks are 0 to {args.world_size - 1}")
-    if args.ckpt_format != "torch_dist":
-        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported: this fork writes and reads torch_dist "
-                   "(megatron.core.dist_checkpointing); pass --ckpt-format torch_dist or drop the flag")
+    for _, line in refusals(args):  # said with the line's other refused flags (flag_refusals) first
+        raise ArgumentError(line)
     if args.wandb_project is None and (args.wandb_exp_name or args.wandb_save_dir):
         raise ArgumentError("--wandb-exp-name/--wandb-save-dir have no effect without --wandb-project: add it or drop them")
     if args.wandb_project is not None:

@@ -53,13 +53,19 @@ def add_model_flags(parser) -> None:
                         "weights as a CPU run of the same flags); always on without CUDA")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
-    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-interval", type=int, default=1)
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=FP8_DEFAULTS["fp8_recipe"])
+    g.add_argument("--fp8-margin", type=int, default=FP8_DEFAULTS["fp8_margin"])
+    g.add_argument("--fp8-interval", type=int, default=FP8_DEFAULTS["fp8_interval"])
+    g.add_argument("--fp8-amax-history-len", type=int, default=FP8_DEFAULTS["fp8_amax_history_len"])
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"],
+                   default=FP8_DEFAULTS["fp8_amax_compute_algo"])
     g.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", action="store_false", dest="fp8_wgrad")
     g.add_argument("--fp8-param-gather", action="store_true")
+
+
+# the fp8 flags besides --fp8-format, at their defaults (a value other than these was given)
+FP8_DEFAULTS = {"fp8_recipe": "delayed", "fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1,
+                "fp8_amax_compute_algo": "most_recent", "fp8_wgrad": True, "fp8_param_gather": False}
 
 
 @dataclass(frozen=True)
@@ -127,22 +133,42 @@ def check_model_flags(args) -> None:
         raise ArgumentError(f"--fp8-margin {args.fp8_margin} must be >= 0")
     if args.qk_layernorm and args.kv_channels and args.kv_channels < 1:
         raise ArgumentError("--kv-channels must be >= 1")
-    problem = fp8_problem(args, machine)
-    if problem:
-        raise ArgumentError(problem)
-    wanted = _requested_backend(args)
-    if wanted == "flash" and uses_transformer_engine(args, machine) and not machine.flash_attn:
-        raise ArgumentError("--attention-backend flash needs the flash-attn package next to transformer-engine "
-                            "(pip install flash-attn): install it, or use --attention-backend auto")
-    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not (machine.cuda and machine.te):
-        raise ArgumentError("--cross-entropy-fusion-impl te needs transformer-engine on a GPU; this machine has "
-                            "none: use --cross-entropy-fusion-impl native")
+    for _, line in refusals(args, machine):  # said with the line's other refused flags (flag_refusals) first
+        raise ArgumentError(line)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         # upstream: warn and turn it off, so that TP1 numerics do not change
         if os.environ.get("RANK", "0") == "0":
             print("WARNING: disabling --sequence-parallel because --tensor-model-parallel-size is 1 "
                   "(as upstream Megatron does)", flush=True)
         args.sequence_parallel = False
+
+
+def refusals(args, machine: Optional[Machine] = None) -> list:
+    """[(flags, line)] for the flags of this kind that cannot run on this machine or build."""
+    machine = machine or Machine.here()
+    out = []
+    problem = fp8_problem(args, machine)
+    if problem:
+        given = [f"--{name.replace('_', '-')}" for name, default in FP8_DEFAULTS.items()
+                 if getattr(args, name) != default]
+        given = [f if f != "--fp8-wgrad" else "--no-fp8-wgrad" for f in given]
+        flags = ["--fp8-format"] + given if args.fp8_format is not None else ["--fp8-param-gather"]
+        if args.fp8_format is not None and given:
+            problem += f" ({', '.join(flags)})"
+        out.append((flags, problem))
+    wanted = _requested_backend(args)
+    if args.transformer_impl == "transformer_engine" and not (machine.cuda and machine.te):
+        out.append((["--transformer-impl"], "--transformer-impl transformer_engine needs transformer-engine on a GPU; "
+                    "this machine has none: drop it (without it the local layers run here, and TE's where it imports "
+                    "on a GPU)"))
+    elif wanted == "flash" and uses_transformer_engine(args, machine) and not machine.flash_attn:
+        flag = "--attention-backend" if args.attention_backend == "flash" else "--use-flash-attn"
+        out.append(([flag], f"{flag}{' flash' if flag == '--attention-backend' else ''} needs the flash-attn package "
+                    "next to transformer-engine (pip install flash-attn): install it, or use --attention-backend auto"))
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not (machine.cuda and machine.te):
+        out.append((["--cross-entropy-fusion-impl"], "--cross-entropy-fusion-impl te needs transformer-engine on a "
+                    "GPU; this machine has none: use --cross-entropy-fusion-impl native"))
+    return out
 
 
 def fp8_problem(args, machine: Machine) -> Optional[str]:
@@ -223,6 +249,13 @@ def startup_notes(args, machine: Optional[Machine] = None) -> list[str]:
     if args.init_model_with_meta_device:
         notes.append("--init-model-with-meta-device: the model is built directly where it trains and initialised "
                      "there (no Megatron FSDP here to materialise a meta model)")
+    if getattr(args, "tokenizer_type_defaulted", False):
+        notes.append("tokenizer: --vocab-file/--merge-file without --tokenizer-type: GPT2BPETokenizer, upstream's "
+                     "pretrain_gpt.py default")
+    from megatron.training.sft_flags import note as sft_note
+
+    if sft_note(args):
+        notes.append(sft_note(args))
     if not args.check_for_nan_in_loss_and_grad:
         notes.append("--no-check-for-nan-in-loss-and-grad: NaN/inf iterations are still skipped and stop the run "
                      "after --max-nan-iterations in a row (their update would poison the weights)")

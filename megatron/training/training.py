@@ -21,6 +21,7 @@ from dcp_ext.compat import mcore_compat
 from megatron.training import checkpointing, finite_weights, global_vars, preflight
 from megatron.training.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.batch_schedule import batch_size_of_iteration
 from megatron.training.initialize import (
     initialize_distributed,
     shutdown_distributed,
@@ -344,20 +345,23 @@ class StaticRun:
         pass
 
 
-def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int, collate):
-    """Micro-batches of one global batch for this DP rank, Megatron's sample order."""
+def micro_batches(dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int, collate,
+                  global_batch_size: Optional[int] = None):
+    """Micro-batches of one global batch (--global-batch-size, or the size given: a batch-size
+    schedule's) for this DP rank, Megatron's sample order."""
     mbs = args.micro_batch_size
     step = mbs * data_parallel_size
-    for m in range(args.global_batch_size // step):
+    for m in range((global_batch_size or args.global_batch_size) // step):
         start = consumed_samples + m * step + data_parallel_rank * mbs
         yield collate([dataset[(start + i) % len(dataset)] for i in range(mbs)])
 
 
 def train_step(args, model, optimizer, scheduler, config, forward_step_func, data_iterator, num_microbatches,
                seq_length: int, forward_only: bool = False, features: Optional[LoopFeatures] = None,
-               iteration: Optional[int] = None, flops: float | None = None):
+               iteration: Optional[int] = None, flops: float | None = None, lr_increment: Optional[int] = None):
     """One forward/backward over `num_microbatches`, then (unless forward_only) one optimizer
-    step. `flops`: this rank's share of the model FLOPs, summed over ranks with the loss."""
+    step. `flops`: this rank's share of the model FLOPs, summed over ranks with the loss.
+    `lr_increment`: the scheduler's step (default `args.lr_step_increment`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
@@ -383,7 +387,7 @@ def train_step(args, model, optimizer, scheduler, config, forward_step_func, dat
             update_successful, grad_norm, _ = mcore_compat.step_unless_gradients_nonfinite(optimizer)
         finite_weights.inject_nan_weights(model.parameters(), iteration)
         if update_successful:
-            scheduler.step(increment=args.lr_step_increment)
+            scheduler.step(increment=lr_increment or args.lr_step_increment)
     return reduce_losses(losses, model_device(model), flops), update_successful, grad_norm
 
 
@@ -455,23 +459,28 @@ class StaticSteps:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.collate = partial(collate_fixed_length, args=args)
-        self.workers = WorkerBatches(train_ds, consumed_samples, args, self.dp_rank, self.dp_size,
-                                     self.collate) if args.num_workers else None
+        self.workers = None  # --num-workers: started at the first iteration (its batch sizes follow from it)
         self.batches, self.losses, self.grad_norm = [], {}, None
+        self.global_batch_size = args.global_batch_size  # this iteration's (a --step-batch-size-schedule's)
 
     def run(self, iteration: int) -> Outcome:
         args = self.args
-        self.batches = self.workers.next_global_batch() if self.workers else list(
-            micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate))
+        self.global_batch_size = gbs = batch_size_of_iteration(args, iteration)  # a --step-batch-size-schedule's
+        if args.num_workers and self.workers is None:
+            self.workers = WorkerBatches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size,
+                                         self.collate, first_iteration=iteration)
+        self.batches = self.workers.next_global_batch(gbs) if self.workers else list(
+            micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate, gbs))
         # this DP rank's documents (every CP rank holds them whole): their FLOPs, summed over
         # the DP x CP group with the loss
         share = self.logger.flops([n for b in self.batches for n in b["doc_lengths"]]) / self.cp_size
         self.losses, ok, self.grad_norm = train_step(
             args, self.model, self.optimizer, self.scheduler, self.config, self.forward_step_func, iter(self.batches),
-            args.num_microbatches, args.seq_length, features=self.features, iteration=iteration + 1, flops=share)
+            gbs // (args.micro_batch_size * self.dp_size), args.seq_length, features=self.features,
+            iteration=iteration + 1, flops=share, lr_increment=gbs if args.lr_schedule_in_samples else 1)
         self.flops = self.losses.pop("flops")
         loss = self.losses["lm loss"]
-        self.consumed_samples += args.global_batch_size
+        self.consumed_samples += gbs
         # An overflow that the dynamic loss scaler (--fp16) answers by backing off is a normal
         # skipped iteration, as in Megatron; it is a NaN/inf iteration once the scale is at its floor.
         finite = math.isfinite(loss)
@@ -480,7 +489,7 @@ class StaticSteps:
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
         self.logger.log_iteration(iteration, self.consumed_samples, elapsed_s, self.losses, self.scheduler,
                                   self.optimizer, self.grad_norm, outcome.applied, self.flops,
-                                  self.args.global_batch_size)
+                                  self.global_batch_size)
 
     def start_validation_at(self, batches: int) -> None:
         self.consumed_valid_samples = batches * self.args.global_batch_size

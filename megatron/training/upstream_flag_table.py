@@ -37,7 +37,10 @@ FAMILIES = {
     "mup": (REFUSE, "muP parametrisation is not implemented here; drop it and set --init-method-std and --lr directly"),
     "model": (REFUSE, "this architecture option is not wired into this fork's GPT model; drop it (see "
                       "pretrain_gpt_dcp.py --help for the model flags honoured here)"),
-    "use_pe_none": (REFUSE, "the old spelling is not wired here; use --position-embedding-type none"),
+    "no_pe": (REFUSE, "without --position-embedding-type rope it is upstream's deprecated switch (upstream refuses "
+                      "it there too); use --position-embedding-type none for no position embedding, or rope"),
+    "rope_type": (REFUSE, "YaRN rotary embeddings belong to multi-latent attention, which is not built here (upstream's "
+                          "standard attention takes rope only); drop it, or use --rope-type rope"),
     "use_num_layers": (REFUSE, "encoder/decoder layer counts are not read by this GPT; use --num-layers"),
     "use_seq_length": (REFUSE, "encoder/decoder sequence lengths are not read by this GPT; use --seq-length"),
     "encoder_decoder": (REFUSE, "encoder-decoder (T5) models are not built here; drop it (decoder-only GPT)"),
@@ -66,8 +69,11 @@ FAMILIES = {
                                   "selective or full (or --dcp, which picks recompute per micro-batch)"),
     "offload": (REFUSE, "CPU offloading (activations or optimizer) is not wired into this fork; use "
                         "--recompute-granularity to save memory, or --dcp (recompute planned per micro-batch)"),
-    "batch_schedule": (REFUSE, "batch-size ramp-up and schedules are not supported here; use a fixed "
-                               "--global-batch-size (or --dcp-global-batch-tokens under --dcp)"),
+    "batch_schedule": (REFUSE, "this batch-size ramp-up is not wired here; use --step-batch-size-schedule (upstream's "
+                               "replacement of --rampup-batch-size, honoured here) or a fixed --global-batch-size"),
+    "decrease_batch": (REFUSE, "shrinking the global batch to a multiple of micro-batch x data-parallel size is not "
+                               "wired here; give a --global-batch-size divisible by it (under --dcp any size is a "
+                               "token budget)"),
     "skip_iters": (REFUSE, "skipping iterations is not supported here; drop it (every batch trains)"),
     "eval": (REFUSE, "this validation option is not wired here; validation runs --eval-iters batches of "
                      "--global-batch-size every --eval-interval"),
@@ -80,8 +86,8 @@ FAMILIES = {
     "fim": (REFUSE, "fill-in-the-middle data transformation is not in this fork; preprocess FIM examples "
                     "into the corpus with tools/preprocess_data.py"),
     "kd": (REFUSE, "distillation from saved logits is not in this fork; drop it (plain language-model loss)"),
-    "sft": (REFUSE, "SFT datasets are built at preprocessing here; run tools/preprocess_data.py --sft "
-                    "(stores a loss mask), then train on that --data-path"),
+    "sft_format": (REFUSE, "the chat template is applied when SFT data is preprocessed here, not by a tokenizer at "
+                           "training time; drop it (tools/preprocess_data.py --sft renders the conversations)"),
     "tokenizer": (REFUSE, "this tokenizer option is not supported by this fork's tokenizers; use --tokenizer-type, "
                           "--tokenizer-model, --vocab-file/--merge-file or --vocab-size"),
     "vocab_padding": (REFUSE, "the padded vocabulary is derived here; use --make-vocab-size-divisible-by "
@@ -147,6 +153,18 @@ FAMILIES = {
     "ckpt_no_assets": (ACCEPT, "no tokenizer assets are saved here"),
     "msc_off": (ACCEPT, "the multi-storage client is never used here"),
     "experimental": (ACCEPT, "it unlocks upstream's experimental features, none of which exist here"),
+    "expert_layout": (ACCEPT, "it sizes the experts' tensor parallelism; a dense model has no experts (the "
+                              "mixture-of-experts flags that would add them are refused)"),
+}
+
+# Refused flags that ask for nothing in the line they are given in: flag -> (does the line make it
+# harmless?, why it is accepted without effect then). Judged after the line is parsed.
+CONDITIONS = {
+    # upstream: --no-position-embedding only unsets the learned absolute embedding, which rope never has;
+    # it refuses the switch with any other --position-embedding-type
+    "--no-position-embedding": (
+        lambda args: args.position_embedding_type in ("rope", "none") or bool(args.use_rotary_position_embeddings),
+        "with rope (or none) there is no learned position embedding to disable, as upstream"),
 }
 
 # Values of a refused flag that ask for nothing here (besides upstream's default, always harmless).
@@ -154,6 +172,7 @@ HARMLESS_VALUES = {
     "--rerun-mode": ("disabled",),
     "--dataloader-type": ("single",),
     "--dist-ckpt-format": ("torch_dist",),
+    "--rope-type": ("rope",),  # upstream's standard attention runs rope: the kind that runs here
 }
 
 # (option strings, kind, type, nargs, upstream default, choices, family); kind is value, store_true,

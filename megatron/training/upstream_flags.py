@@ -5,10 +5,12 @@ Launch scripts written for upstream's `pretrain_gpt.py` carry flags this fork do
 implement. Rather than stop at the first one with "unknown flag", `add_upstream_flags`
 registers each flag of `upstream_flag_table.ROWS` that our parser does not define, with
 upstream's type, nargs and choices (so the line parses exactly as upstream's would), and
-`check_upstream_flags` then judges the ones actually given: a refused flag ends the run with
-`--flag: why; what to use instead`, an accepted one is listed once at start
-(`accepted_line`). A refused flag given with upstream's default value asks for nothing and
-counts as accepted. The verdicts are data (the table); this module only applies them.
+`judge_upstream_flags` then judges the ones actually given: each refused flag is returned as
+`--flag: why; what to use instead` (`flag_refusals` says every refusal of the line in one
+message), an accepted one is listed once at start (`accepted_line`). A refused flag given with
+upstream's default value, or in a line that makes it harmless (the table's `CONDITIONS`), asks
+for nothing and counts as accepted. The verdicts are data (the table); this module only
+applies them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.training.argument_errors import ArgumentError
-from megatron.training.upstream_flag_table import ACCEPT, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
+from megatron.training.upstream_flag_table import ACCEPT, CONDITIONS, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
 
 REGISTRY_ATTR = "_upstream_flag_registry"  # parser default: {dest: UpstreamFlag} of the flags registered
 ORDER_ATTR = "_upstream_flags_given"  # set while parsing: [(option string typed, dest)], command-line order
@@ -159,14 +161,17 @@ class Given:
     shown: str  # the spelling the user typed (or the first spelling, for a --yaml-cfg key)
     flag: UpstreamFlag
     value: object
+    harmless_here: bool = False  # the line makes this refused flag ask for nothing (the table's CONDITIONS)
 
     @property
     def refused(self) -> bool:
-        return self.flag.verdict == REFUSE and not self.flag.asks_for_nothing(self.value)
+        return self.flag.verdict == REFUSE and not self.flag.asks_for_nothing(self.value) and not self.harmless_here
 
     @property
     def reason(self) -> str:
-        if self.flag.verdict == REFUSE:  # not refused: upstream's default, or a value listed harmless
+        if self.flag.verdict == REFUSE:  # not refused: upstream's default, a value listed harmless, or the line
+            if self.harmless_here and not self.flag.asks_for_nothing(self.value):
+                return CONDITIONS[self.flag.name][1]
             said = "is upstream's default: asks" if self.flag.is_default(self.value) else "asks"
             return f"{_show(self.value)} {said} for nothing"
         return self.flag.text
@@ -204,16 +209,32 @@ def given_flags(args: argparse.Namespace) -> list[Given]:
     return found
 
 
-def check_upstream_flags(args: argparse.Namespace) -> None:
-    """Raise one line for the first refused upstream flag given; keep the accepted ones in
-    `args.accepted_without_effect` as [flag, reason] pairs (for `accepted_line`)."""
+def judge_upstream_flags(args: argparse.Namespace) -> list[Given]:
+    """The refused upstream flags given, in command-line order (each says `refusal`); keep the
+    accepted ones in `args.accepted_without_effect` as [flag, reason] pairs (for `accepted_line`).
+    A second call returns [] and keeps the list."""
     given = given_flags(args)
     if not given and hasattr(args, "accepted_without_effect"):
-        return  # already checked
-    for g in given:
-        if g.refused:
-            raise ArgumentError(g.refusal)
-    args.accepted_without_effect = [[g.shown, g.reason] for g in given]
+        return []  # already judged
+    given = [_in_this_line(g, args) for g in given]
+    args.accepted_without_effect = [[g.shown, g.reason] for g in given if not g.refused]
+    return [g for g in given if g.refused]
+
+
+def _in_this_line(g: Given, args: argparse.Namespace) -> Given:
+    condition = CONDITIONS.get(g.flag.name)
+    if condition is None or g.flag.verdict != REFUSE or not condition[0](args):
+        return g
+    return Given(g.shown, g.flag, g.value, harmless_here=True)
+
+
+def check_upstream_flags(args: argparse.Namespace) -> None:
+    """`judge_upstream_flags`, raising one line that names every refused flag given."""
+    refused = judge_upstream_flags(args)
+    if refused:
+        from megatron.training.flag_refusals import Refusal, message
+
+        raise ArgumentError(message([Refusal((g.shown,), g.flag.text) for g in refused]))
 
 
 def accepted_line(args: argparse.Namespace) -> Optional[str]:
@@ -249,6 +270,7 @@ def counts(parser: argparse.ArgumentParser, rows: list[list[str]]) -> dict[str, 
 
 
 __all__ = ["ACCEPT", "REFUSE", "FLAGS", "NOT_GIVEN", "UpstreamFlag", "add_upstream_flags", "check_upstream_flags",
+           "judge_upstream_flags",
            "accepted_line", "announce", "given_flags", "counts"]
 
 
