@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 from dcp_ext.compat import mcore_compat
 from dcp_ext.compat.checkpoint_unpickler import CodeRefused
@@ -136,10 +137,14 @@ def verify_checkpoint(path: str, skip: bool = False) -> None:
         print_rank_0(f"  note: {path} has no {CHECKSUM_FILE} (saved before checkpoints carried checksums, or by "
                      "upstream Megatron-LM): its files are loaded unverified")
         return
+    start = time.perf_counter()
     problems = mismatches(path, files)
     if problems:
         more = f" ({len(problems) - 1} more files differ)" if len(problems) > 1 else ""
         raise CheckpointError(f"{problems[0]}{more}; {fallback_hint(path)}")
+    size = sum(f["bytes"] for f in files.values()) / 2**20
+    print_rank_0(f"  verified {len(files)} files of {path} ({size:.1f} MiB) against their checksums in "
+                 f"{time.perf_counter() - start:.2f} s")
 
 
 def open_checkpoint(path: str, skip_verify: bool = False) -> dict:
