@@ -49,19 +49,28 @@ def layout_flags(tp: int, cp: int) -> list[str]:
              "--pipeline-model-parallel-size", "1"] + (["--sequence-parallel"] if tp > 1 else []))
 
 
+def setting_and_data(args):
+    """The run's corpus and sizes as bench_real_win's Setting and Data."""
+    from bench_real_win import Data, Setting
+
+    s = Setting("fixed", None, args.seq_length, args.tokens, args.budget, data_path=args.data_flags[1])
+    return s, Data(args.data_flags, "", 0)
+
+
 def static_run_flags(tp: int, cp: int, args) -> list[str]:
     """megatron-core's path at (tp, cp): bench_real_win's static launch line, micro-batch 1."""
     from bench_real_win import Config, static_flags
 
-    return static_flags(Config(tp, cp, 1, 1, False, args.nproc), args)
+    s, data = setting_and_data(args)
+    return static_flags(Config("megatron", tp, cp, 1), s, data, args.dcp_cpu_attention, args)
 
 
 def dcp_run_flags(tp: int, cp: int, args) -> list[str]:
     """The same layout under --dcp's static planner: bench_real_win's --dcp line at (tp, cp)."""
     from bench_real_win import dcp_flags
 
-    return dcp_flags(args) + layout_flags(tp, cp) + ["--dcp-planner", "static", "--dcp-cpu-attention",
-                                                     args.dcp_cpu_attention]
+    s, data = setting_and_data(args)
+    return dcp_flags(s, data, args.dcp_cpu_attention, args, "static", (tp, cp, 1))
 
 
 class Busy:
@@ -105,8 +114,9 @@ def measure(args, work: str, note=lambda s: print(s, file=sys.stderr, flush=True
                 if run.error:
                     raise SystemExit(f"error: {name} {path}: {run.error}")
                 runs[path] = run
-            a = throughput(runs["megatron-core"], args.warmup, args.tokens)["steady_tokens_per_s"]
-            b = throughput(runs["dcp static"], args.warmup, args.tokens)["steady_tokens_per_s"]
+            measured = args.iters - args.warmup
+            a = throughput(runs["megatron-core"], measured, args.tokens)["tokens_per_s"]
+            b = throughput(runs["dcp static"], measured, args.tokens)["tokens_per_s"]
             rows.append({"layout": name, "pair": rep + 1, "megatron_core_tokens_per_s": a, "dcp_tokens_per_s": b,
                          "ratio": b / a if a and b else None, "dcp_exposed_share": exposed_share(runs["dcp static"]),
                          "dcp_exchange_share": exposed_share(runs["dcp static"], "exchange"),

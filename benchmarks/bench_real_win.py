@@ -1,50 +1,54 @@
-"""Megatron-core's best static layout vs `--dcp` adaptive on this machine, side by side in one run.
+"""`--dcp` adaptive against the best static layout, like with like, side by side in one run.
 
-Same model (the CPU demo's, examples/cpu_demo.yaml: 4 layers, hidden 128, 8 heads in 4 query
-groups, ffn 352, SwiGLU, RMSNorm, RoPE, fp32), same data, same tokens (8192 per iteration: the static path's 4 samples of --seq-length
-2048, documents concatenated with --reset-attention-mask --reset-position-ids; --dcp's
-8192-token global batches of documents up to 2048 tokens, longer ones split by
---dcp-split-long-documents, so both paths train every token) and the same per-device budget
-(--dcp-device-memory 256MB unless --budget), on 4 gloo ranks.
+Why it exists: the project's claim is that the adaptive planner trains faster than any static
+layout. A claim is only as good as its baseline, so every run here uses the same model (the CPU
+demo's, examples/cpu_demo.yaml: 4 layers, hidden 128, 8 heads in 4 query groups, ffn 352, SwiGLU,
+RMSNorm, RoPE, fp32), the same data, the same tokens per iteration, the same per-device budget
+and the same attention kernel (`--dcp-cpu-attention`, one table per kernel: static runs pass it
+too), on 4 gloo ranks. The best static layout is searched on both runtimes:
 
-Data: by default a long-tailed corpus the way real ones are (benchmarks/long_tail_corpus.py:
-the document lengths of ../shared/data/lengths/text_reuters21578_cl100k.txt, news, median 154
-tokens, p99 993, max 5,651, filled with the demo corpus's bytes, byte-level tokens; --lengths
-names another shipped file); or any `.bin/.idx` with `--data-path PREFIX` and the tokenizer's
-flags (`--tokenizer-type`, `--tokenizer-model`, `--vocab-file`, `--merge-file`).
+  megatron    megatron-core's static path (upstream's schedule): every (tp, cp, pp) of the ranks,
+              with and without full recompute, every micro-batch size; pruned where the cost model
+              puts the peak beyond twice the budget (it over-predicts this path), a recompute
+              variant run only when its layout overflows the budget without it, then the fastest
+              predicted first, at most --static-runs; a run over the budget by its own memory line
+              does not count;
+  dcp-static  `--dcp --dcp-planner static`: the adaptive runtime at one fixed layout, the least
+              recompute that holds a --seq-length document (fixed for the run); every layout that
+              holds one, the fastest predicted first, at most --static-runs.
 
-Best static is searched over every layout of the ranks (tp, cp, pp with tp*cp*pp dividing
-them, DP the rest; --sequence-parallel with tp > 1, --use-distributed-optimizer as the demo),
-with and without full recompute (--recompute-granularity full --recompute-method uniform
---recompute-num-layers 1) and every micro-batch size that divides the replica's batch:
-  1. pruned where the cost model puts the peak beyond twice the budget (CostModel.replica_peak_bytes,
-     every sample holding one 2048-token document: the most a sample can hold; it over-predicts
-     the static path, whose masked attention at cp 1 runs torch's flash kernel, so the measured
-     peak decides the rest);
-  2. a recompute variant waits while the same layout and micro-batch size fits without
-     recompute (recompute only costs time); it runs when that one's measured peak exceeds
-     the budget;
-  3. the rest run in the order of the cost model's iteration time, at most --static-runs;
-  4. a run whose measured peak (its `> peak device memory per rank` line) exceeds the budget
-     is dropped; the fastest survivor is best static.
-Then `--dcp` (the adaptive planner) with the same budget, once per `--dcp-cpu-attention` kernel
-(default both: math, the demo's, whose probabilities make a long document need CP, TP or
-recompute under the budget; flash, torch's CPU flash kernel, linear memory, the kernel
-megatron-core's masked attention runs at cp 1).
+Both train --seq-length documents at most (longer ones split: --dcp-split-long-documents; the
+static path's --seq-length samples of concatenated documents with --reset-attention-mask
+--reset-position-ids). Each run trains --iters iterations (default 30); tokens/s is over the last
+--measure (default 20), from the log lines' elapsed time, so a planner that learns from its own
+timings is judged after it has learnt and the static runs get the same window; the whole
+command's wall clock (start-up, the adaptive run's startup calibration) is beside it.
 
-Table: each run's layout, tokens/s over the iterations after the first --warmup (from the log
-lines' elapsed time) and over the whole command's wall clock, peak memory per rank (the report
-line, and each worker's VmHWM read from outside), within budget, and dcp / best static.
-Results: benchmarks/results/real_win.json and real_win.png (tokens/s and peaks per run).
+Settings (--setting, several allowed; `all` = the acceptance set):
+  long-tail  the default: most documents short, the longest several times what the fastest
+             data-parallel layout holds under the budget without recompute (the table says
+             which length file, which maximum and how many times); per kernel (`LONG_TAIL`);
+  today      Reuters lengths, documents up to 2048 tokens, 8192-token iterations, 256 MB (the
+             setting of earlier reports); with --data-path, that corpus instead;
+  demo-data  `today` on a `.bin/.idx` corpus given as --data-path: the demo corpus (this
+             Python's standard-library modules cut into top-level blocks);
+  uniform    every document the same length: no layout change can help, so adaptive must not
+             lose (the no-regret control).
+Data of the shipped length files is real lengths filled with the demo corpus's bytes
+(benchmarks/long_tail_corpus.py, byte-level tokens).
 
-    python benchmarks/bench_real_win.py             # 10 static runs (fallbacks included) + dcp, 6 iterations,
-                                                    # then the fixed-layout pairs (bench_fixed_layout.py)
-    python benchmarks/bench_real_win.py --quick     # 3 static runs + dcp, 5 iterations, no fixed-layout pairs
-    python benchmarks/bench_real_win.py --data-path /data/my_text_document --tokenizer-type GPT2BPETokenizer \
-        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+Beside each ratio: the adaptive run's own closing line, the lower bound of its last batches with
+its calibrated prices (dcp_ext/planning/bound.py): the tokens/s no plan of those batches could
+beat by the cost model, so the headroom left is visible.
 
-A run takes 55-90 s on 2 shared cores (~25-40 s to start 4 ranks, 4-15 s an iteration);
-times on a loaded machine move with the load, memory does not.
+    python benchmarks/bench_real_win.py                          # long-tail, math and flash (~1 h on 2 cores)
+    python benchmarks/bench_real_win.py --setting all            # the acceptance set (several hours)
+    python benchmarks/bench_real_win.py --setting today --kernels flash --static-runs 3
+    python benchmarks/bench_real_win.py --quick                  # 8 iterations, 2 static runs a runtime (a smoke run)
+    python benchmarks/bench_real_win.py --setting today --data-path /data/my_text_document \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+
+Results: benchmarks/results/real_win.json and real_win.png (tokens/s per run, per table).
 """
 from __future__ import annotations
 
@@ -57,11 +61,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_fixed_layout as fixed_layout  # noqa: E402
-from bench_fixed_layout import Busy  # noqa: E402
 from machine import describe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,16 +71,17 @@ sys.path.insert(0, REPO)
 DEMO = os.path.join(REPO, "examples", "cpu_demo.yaml")
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 MiB = 2**20
-# The cost model over-predicts the static path (measured: tp1 cp4 234 MiB predicted, 146 MiB
-# measured; at cp 1 megatron-core's masked attention runs torch's flash kernel with a float
-# mask where the model charges our math kernel's probabilities): prune only what it puts
-# beyond twice the budget, and let the measured peak decide the rest.
+# The cost model over-predicts the static path's memory (measured: tp1 cp4 234 MiB predicted,
+# 146 MiB measured): prune only what it puts beyond twice the budget; the measured peak decides the rest.
 PRUNE_SLACK = 2.0
 TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                        r".*?lm loss: ([-+.\dEeinfa]+) \|(?:.*?layout: ([^|]+)\|)?(?:.*?\| tokens: (\d+) \|)?")
+HEADROOM = re.compile(r"> planner over the last (\d+) iterations: measured ([\d.]+) s, planned ([\d.]+) s, "
+                      r"lower bound ([\d.]+) s")
 ERROR = re.compile(r"^(?:\[rank \d+\] )?error: .*$", re.M)
+WORLD = 4
 
 
 class BenchError(Exception):
@@ -90,139 +93,193 @@ class OneLineParser(argparse.ArgumentParser):
         raise BenchError(f"{message} (see {os.path.basename(sys.argv[0])} --help)")
 
 
-def missing_flags(flags: list[str]) -> list[str]:
-    """The flags of `flags` this branch's pretrain_gpt_dcp.py does not define."""
+def require_flags(flags: list[str], what: str) -> None:
     from megatron.training.arguments import build_parser
 
     known = build_parser()._option_string_actions
-    return [f for f in flags if f not in known]
-
-
-def require_flags(flags: list[str], what: str) -> None:
-    missing = missing_flags(flags)
+    missing = [f for f in flags if f not in known]
     if missing:
         raise BenchError(f"{', '.join(missing)} not on this branch's pretrain_gpt_dcp.py, which {what} needs: "
                          "merge the branch that adds it first")
 
 
+# ----------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
-class Config:
-    """One static launch: layout, micro-batch size, full recompute or not."""
+class Setting:
+    """What one table measures: the corpus, the longest document, tokens per iteration, budget."""
 
-    tp: int
-    cp: int
-    pp: int
-    mbs: int
-    recompute: bool
-    world: int = 4
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.cp * self.pp)
-
-    @property
-    def label(self) -> str:
-        return f"tp{self.tp} cp{self.cp} pp{self.pp} dp{self.dp} mbs{self.mbs}" + (" +recompute" if self.recompute else "")
+    name: str
+    lengths: str | None  # a shipped length file, "uniform:N", or None with a --data-path corpus
+    seq_length: int  # --seq-length = --dcp-max-seq-len: documents longer are split
+    tokens: int  # tokens per iteration (a multiple of seq_length: the static path's samples)
+    budget: str = "256MB"
+    data_path: str | None = None  # a .bin/.idx prefix (then `lengths` is None)
+    demo_data: bool = False  # the demo corpus as a --data-path corpus
 
 
-def static_configs(world: int, samples: int) -> list[Config]:
-    """Every (tp, cp, pp) with tp*cp*pp | world, recompute or not, micro-batch sizes dividing the replica's batch."""
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    out = []
-    for tp, cp, pp in itertools.product(divisors, repeat=3):
-        if world % (tp * cp * pp):
-            continue
-        dp = world // (tp * cp * pp)
-        if samples % dp:
-            continue
-        per_replica = samples // dp
-        for mbs in (m for m in range(1, per_replica + 1) if per_replica % m == 0):
-            for recompute in (False, True):
-                out.append(Config(tp, cp, pp, mbs, recompute, world))
-    return out
+# long-tail per kernel: the longest document several times what DP (tp1, no recompute) holds
+# under 256 MB: math ~950 tokens (quadratic attention memory), so Reuters news up to 2816
+# (2.97x; what cp4 holds with full recompute is ~2.9K); flash ~3.6K tokens (linear), so Azure
+# conversation prompts up to 14,050, their longest (3.9x; only tp2 and tp4 hold it).
+LONG_TAIL = {"math": Setting("long-tail", "text_reuters21578_cl100k.txt", 2816, 4 * 2816),
+             "flash": Setting("long-tail", "azure2023_conv_prompt_tokens.txt", 14080, 2 * 14080)}
+TODAY = Setting("today", "text_reuters21578_cl100k.txt", 2048, 8192)
+UNIFORM = Setting("uniform", "uniform:768", 2048, 8192)
+ALL = ("long-tail", "today", "demo-data", "uniform")
 
 
-def resolve_data(args) -> None:
-    """args.data_flags (for every run), args.vocab_size and args.data_line (what the table says)."""
+def setting_for(name: str, kernel: str, args) -> Setting:
+    if name == "long-tail":
+        s = LONG_TAIL[kernel]
+    elif name == "today":
+        s = TODAY if args.data_path is None else replace(TODAY, lengths=None, data_path=args.data_path)
+    elif name == "demo-data":
+        s = replace(TODAY, name="demo-data", lengths=None, demo_data=True)
+    else:
+        s = UNIFORM
+    if args.budget is not None:
+        s = replace(s, budget=args.budget)
+    return s
+
+
+@dataclass
+class Data:
+    flags: list[str]
+    line: str  # what the table says of the data
+    vocab_size: int
+    holds: dict = field(default_factory=dict)
+
+
+def resolve_data(s: Setting, args) -> Data:
+    """The corpus of a setting: its pretrain_gpt_dcp.py flags and a line describing it."""
     import numpy as np
 
     from dcp_ext.data.indexed import IndexedDocuments
     from dcp_ext.data.tokenizers import build_tokenizer
 
-    if args.data_path is None:
-        from long_tail_corpus import DEFAULT_LENGTHS, ensure_long_tail_corpus
+    if s.lengths is not None:
+        from long_tail_corpus import ensure_long_tail_corpus
 
-        name = args.lengths or DEFAULT_LENGTHS
         try:
-            prefix = ensure_long_tail_corpus(os.path.join(REPO, "cache"), name)
+            prefix = ensure_long_tail_corpus(os.path.join(REPO, "cache"), s.lengths)
         except FileNotFoundError as e:
             raise BenchError(str(e)) from None
-        args.data_flags = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
-        what = f"the long-tailed corpus (lengths of {os.path.basename(name)}, the demo corpus's bytes, byte-level)"
+        flags = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+        what = (f"{s.lengths.split(':')[1]}-token documents" if s.lengths.startswith("uniform:") else
+                f"the lengths of {s.lengths}") + " (the demo corpus's bytes, byte-level)"
+        tokenizer = build_tokenizer("ByteLevelTokenizer")
+    elif s.demo_data:
+        from dcp_ext.data.demo_corpus import ensure_demo_corpus
+
+        prefix = ensure_demo_corpus(os.path.join(REPO, "cache", "demo"))
+        flags = ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"]
+        what = f"--data-path {os.path.relpath(prefix, REPO)} (the demo corpus: standard-library blocks)"
         tokenizer = build_tokenizer("ByteLevelTokenizer")
     else:
-        prefix = args.data_path
+        prefix = s.data_path
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise BenchError(f"--data-path {prefix}: no {prefix}.bin/.idx (give the prefix, without the suffix)")
         kv = {f: getattr(args, f[2:].replace("-", "_")) for f in TOKENIZER_FLAGS}
-        args.data_flags = ["--data-path", prefix] + [x for f, v in kv.items() if v for x in (f, v)]
+        flags = ["--data-path", prefix] + [x for f, v in kv.items() if v for x in (f, v)]
         what = f"--data-path {prefix}"
         try:
             tokenizer = build_tokenizer(kv["--tokenizer-type"] or "ByteLevelTokenizer", kv["--vocab-file"],
                                         kv["--merge-file"], kv["--tokenizer-model"])
         except Exception as e:  # the tokenizer's own one-line error
             raise BenchError(f"tokenizer: {e}") from None
-    args.vocab_size = tokenizer.vocab_size
     lengths = np.asarray(IndexedDocuments(prefix).lengths, dtype=np.int64)
     q = np.percentile(lengths, [50, 99]) if len(lengths) else [0, 0]
-    args.data_line = (f"data: {what}: {len(lengths):,} documents, median {q[0]:.0f} tokens, p99 {q[1]:.0f}, "
-                      f"max {lengths.max() if len(lengths) else 0:,}; documents split at {args.seq_length} tokens")
+    longest = int(lengths.max()) if len(lengths) else 0
+    line = (f"{what}: {len(lengths):,} documents, median {q[0]:.0f} tokens, p99 {q[1]:.0f}, max {longest:,}; "
+            f"split at {s.seq_length} tokens")
+    return Data(flags, line, tokenizer.vocab_size)
 
 
-def common_flags(args) -> list[str]:
-    return ["--yaml-cfg", DEMO, "--seq-length", str(args.seq_length), "--max-position-embeddings",
-            str(args.seq_length), "--train-iters", str(args.iters), "--lr-decay-iters", "60", "--log-interval", "1",
-            "--eval-iters", "0", "--data-cache-path", os.path.join(REPO, "cache"), "--dcp-device-memory",
-            str(args.budget)] + list(args.data_flags)
+def common_flags(s: Setting, data: Data, kernel: str, args) -> list[str]:
+    return ["--yaml-cfg", DEMO, "--seq-length", str(s.seq_length), "--max-position-embeddings", str(s.seq_length),
+            "--train-iters", str(args.iters), "--lr-decay-iters", str(max(60, args.iters)), "--log-interval", "1",
+            "--eval-iters", "0", "--data-cache-path", os.path.join(REPO, "cache"), "--dcp-device-memory", s.budget,
+            "--dcp-cpu-attention", kernel] + data.flags
 
 
-def static_flags(c: Config, args) -> list[str]:
-    return common_flags(args) + [
+# ----------------------------------------------------------------------------- static candidates
+@dataclass(frozen=True)
+class Config:
+    """One static launch: runtime, layout, micro-batch size (megatron), full recompute or not (megatron)."""
+
+    runtime: str  # "megatron" | "dcp-static"
+    tp: int
+    cp: int
+    pp: int
+    mbs: int = 1
+    recompute: bool = False
+
+    @property
+    def dp(self) -> int:
+        return WORLD // (self.tp * self.cp * self.pp)
+
+    @property
+    def label(self) -> str:
+        if self.runtime == "dcp-static":
+            return f"tp{self.tp} cp{self.cp} pp{self.pp} dp{self.dp}"
+        return f"tp{self.tp} cp{self.cp} pp{self.pp} dp{self.dp} mbs{self.mbs}" + (" +recompute" if self.recompute else "")
+
+
+def layouts_of(world: int) -> list[tuple[int, int, int]]:
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [(tp, cp, pp) for tp, cp, pp in itertools.product(divisors, repeat=3) if world % (tp * cp * pp) == 0]
+
+
+def megatron_configs(samples: int) -> list[Config]:
+    """Every (tp, cp, pp), recompute or not, micro-batch sizes dividing the replica's batch."""
+    out = []
+    for tp, cp, pp in layouts_of(WORLD):
+        dp = WORLD // (tp * cp * pp)
+        if samples % dp:
+            continue
+        per_replica = samples // dp
+        for mbs in (m for m in range(1, per_replica + 1) if per_replica % m == 0):
+            for recompute in (False, True):
+                out.append(Config("megatron", tp, cp, pp, mbs, recompute))
+    return out
+
+
+def static_flags(c: Config, s: Setting, data: Data, kernel: str, args) -> list[str]:
+    """megatron-core's static path at config `c`."""
+    return common_flags(s, data, kernel, args) + [
         "--tensor-model-parallel-size", str(c.tp), "--context-parallel-size", str(c.cp),
         "--pipeline-model-parallel-size", str(c.pp), "--micro-batch-size", str(c.mbs),
-        "--global-batch-size", str(args.tokens // args.seq_length)] + (
+        "--global-batch-size", str(s.tokens // s.seq_length)] + (
         ["--sequence-parallel"] if c.tp > 1 else []) + (RECOMPUTE if c.recompute else [])
 
 
-def dcp_flags(args) -> list[str]:
-    return common_flags(args) + ["--dcp", "--dcp-max-seq-len", str(args.seq_length), "--dcp-global-batch-tokens",
-                                 str(args.tokens), "--dcp-split-long-documents"]
+def dcp_flags(s: Setting, data: Data, kernel: str, args, planner: str = "adaptive",
+              layout: tuple[int, int, int] | None = None) -> list[str]:
+    flags = common_flags(s, data, kernel, args) + [
+        "--dcp", "--dcp-planner", planner, "--dcp-max-seq-len", str(s.seq_length), "--dcp-global-batch-tokens",
+        str(s.tokens), "--dcp-split-long-documents"]
+    if layout is not None:
+        tp, cp, pp = layout
+        flags += ["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+                  "--pipeline-model-parallel-size", str(pp)] + (["--sequence-parallel"] if tp > 1 else [])
+    return flags
 
 
-def predict(c: Config, args) -> tuple[float, float] | str:
-    """(peak bytes, iteration seconds) by the cost model, every sample one seq-length document;
-    a line saying why when the launch line itself is invalid."""
+def parsed(flags: list[str]):
+    from megatron.training.arguments import parse_args
+
+    return parse_args(flags, world_size=WORLD)
+
+
+def cost_model(a, vocab_size: int, budget_bytes: float, tp_for_vocab: int):
     from dcp_ext.data.tokenizers import padded_vocab_size
     from dcp_ext.planning.cost_model import CostModel
-    from dcp_ext.planning.layout import Layout
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
-    from megatron.training.arguments import ArgumentError, parse_args
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.run_config import AdaptiveRunConfig
 
-    try:
-        a = parse_args(static_flags(c, args), world_size=c.world)
-    except ArgumentError as e:
-        return f"invalid launch line: {e}"
-    a.padded_vocab_size = padded_vocab_size(args.vocab_size, a.make_vocab_size_divisible_by, c.tp)
-    cluster = ClusterSpec.cpu_gloo(c.world).with_(memory_bytes=float(args.budget_bytes), reserved_bytes=0.0)
-    cm = CostModel(ModelSpec.from_megatron_args(a), cluster, memory_margin=0.0)
-    lay = Layout(c.tp, c.cp, c.pp)
-    if not cm.layout_valid(lay):
-        return "the model does not split this way (heads, query groups or layers)"
-    k = args.tokens // args.seq_length // c.dp // c.mbs
-    rs = cm.layers_per_stage(lay) if c.recompute else 0
-    docs = [args.seq_length] * c.mbs
-    peak = cm.replica_peak_bytes(lay, [float(sum(docs))] * k, [rs] * k, [docs] * k)
-    return peak, (k + c.pp - 1) * cm.mb_stage_time(docs, lay, rs)
+    a.padded_vocab_size = padded_vocab_size(vocab_size, a.make_vocab_size_divisible_by, tp_for_vocab)
+    cluster = ClusterSpec.cpu_gloo(WORLD).with_(memory_bytes=float(budget_bytes), reserved_bytes=0.0)
+    return CostModel(AdaptiveRunConfig.from_args(a, on_cpu=True).model, cluster, memory_margin=0.0)
 
 
 @dataclass
@@ -233,19 +290,33 @@ class Candidate:
     verdict: str = ""  # why it did not run, or "ran"
 
 
-def plan_static(args) -> list[Candidate]:
-    """Every static config with the cost model's verdict; the runnable ones first, fastest predicted first."""
+def plan_megatron(s: Setting, data: Data, kernel: str, args) -> list[Candidate]:
+    """Every megatron config with the cost model's verdict: runnable first, fastest predicted first."""
+    from dcp_ext.planning.layout import Layout
+    from megatron.training.arguments import ArgumentError, memory_size
+
+    budget = memory_size(s.budget)
     cands = []
-    for c in static_configs(args.nproc, args.tokens // args.seq_length):
-        got = predict(c, args)
+    for c in megatron_configs(s.tokens // s.seq_length):
         cand = Candidate(c)
-        if isinstance(got, str):
-            cand.verdict = got
-        else:
-            cand.predicted_peak, cand.predicted_s = got
-            if cand.predicted_peak > PRUNE_SLACK * args.budget_bytes:
-                cand.verdict = f"cost model: peak {cand.predicted_peak / MiB:.0f} MiB > {PRUNE_SLACK:g}x the budget"
         cands.append(cand)
+        try:
+            a = parsed(static_flags(c, s, data, kernel, args))
+        except ArgumentError as e:
+            cand.verdict = f"invalid launch line: {e}"
+            continue
+        cm = cost_model(a, data.vocab_size, budget, c.tp)
+        lay = Layout(c.tp, c.cp, c.pp)
+        if not cm.layout_valid(lay):
+            cand.verdict = "the model does not split this way (heads, query groups or layers)"
+            continue
+        k = s.tokens // s.seq_length // c.dp // c.mbs
+        rs = cm.layers_per_stage(lay) if c.recompute else 0
+        docs = [s.seq_length] * c.mbs
+        cand.predicted_peak = cm.replica_peak_bytes(lay, [float(sum(docs))] * k, [rs] * k, [docs] * k)
+        cand.predicted_s = (k + c.pp - 1) * cm.mb_stage_time(docs, lay, rs)
+        if cand.predicted_peak > PRUNE_SLACK * budget:
+            cand.verdict = f"cost model: peak {cand.predicted_peak / MiB:.0f} MiB > {PRUNE_SLACK:g}x the budget"
     fits = {(c.config.tp, c.config.cp, c.config.pp, c.config.mbs) for c in cands
             if not c.verdict and not c.config.recompute}
     for cand in cands:
@@ -255,6 +326,49 @@ def plan_static(args) -> list[Candidate]:
     return sorted(cands, key=lambda x: (bool(x.verdict), x.predicted_s if x.predicted_s is not None else 1e9))
 
 
+def plan_dcp_static(s: Setting, data: Data, kernel: str, args) -> list[Candidate]:
+    """Every layout `--dcp-planner static` can run (it holds a --seq-length document), fastest
+    predicted first (the static planner's own estimate on the corpus's batches)."""
+    import numpy as np
+
+    from dcp_ext.data.indexed import IndexedDocuments
+    from dcp_ext.planning.planner import make_planner
+    from dcp_ext.planning.planners.common import PlanningError, sample_batches
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.arguments import ArgumentError, memory_size
+    from megatron.training.run_config import AdaptiveRunConfig
+    from megatron.training.training_adaptive import vocab_padding_for
+
+    budget = memory_size(s.budget)
+    prefix = data.flags[data.flags.index("--data-path") + 1]
+    lengths = np.minimum(np.asarray(IndexedDocuments(prefix).lengths[:20000], dtype=np.int64), s.seq_length)
+    cands = []
+    for tp, cp, pp in layouts_of(WORLD):
+        cand = Candidate(Config("dcp-static", tp, cp, pp))
+        cands.append(cand)
+        try:
+            a = parsed(dcp_flags(s, data, kernel, args, "static", (tp, cp, pp)))
+        except ArgumentError as e:
+            cand.verdict = f"invalid launch line: {e}"
+            continue
+        cluster = ClusterSpec.cpu_gloo(WORLD).with_(memory_bytes=float(budget), reserved_bytes=0.0)
+        a.vocab_size = data.vocab_size
+        a.padded_vocab_size = vocab_padding_for(a, data.vocab_size, cluster)
+        try:
+            planner = make_planner("static", AdaptiveRunConfig.from_args(a, on_cpu=True).model, cluster,
+                                   max_seq_len=s.seq_length, global_batch_tokens=s.tokens,
+                                   length_sample=[int(x) for x in lengths], memory_margin=a.dcp_memory_margin,
+                                   seed=a.seed, layout=(tp, cp, pp), balance=True)
+        except (PlanningError, ValueError) as e:
+            cand.verdict = f"cannot hold a {s.seq_length}-token document ({str(e)[:80]})"
+            continue
+        times = [planner.plan(i, list(range(len(b))), [int(x) for x in b]).predicted_time_s
+                 for i, b in enumerate(sample_batches(lengths, s.tokens, s.seq_length, 8, 0))]
+        cand.predicted_s = float(np.mean(times)) if times else None
+    return sorted(cands, key=lambda x: (bool(x.verdict), x.predicted_s if x.predicted_s is not None else 1e9))
+
+
+# ----------------------------------------------------------------------------- running
 @dataclass
 class Run:
     name: str
@@ -264,6 +378,7 @@ class Run:
     iterations: list[dict] = field(default_factory=list)
     memory: dict | None = None  # the report line, parsed
     vmhwm_gb: dict = field(default_factory=dict)  # rank -> GB, read from outside
+    headroom: dict | None = None  # the --dcp run's closing line: measured, planned, lower bound
     error: str | None = None
     text: str = ""  # the run's stdout and stderr
 
@@ -294,7 +409,7 @@ def launch(name: str, flags: list[str], nproc: int, work: str, timeout: float, n
                 if now - t0 > timeout:
                     run.error = f"still running after {timeout:.0f} s (killed; raise --run-timeout)"
                     break
-                if now - last_note > 20:
+                if now - last_note > 30:
                     last_note = now
                     out.flush()
                     seen = parse_iterations(open(out_path).read())
@@ -310,6 +425,10 @@ def launch(name: str, flags: list[str], nproc: int, work: str, timeout: float, n
     run.text = text
     run.iterations = parse_iterations(text)
     run.memory = parse_memory_line(text)
+    m = HEADROOM.search(text)
+    if m:
+        run.headroom = {"iterations": int(m.group(1)), "measured_s": float(m.group(2)), "planned_s": float(m.group(3)),
+                        "bound_s": float(m.group(4))}
     if run.error is None and run.rc != 0:
         errors = ERROR.findall(text)
         run.error = errors[0][:300] if errors else f"exit {run.rc}: {text.strip().splitlines()[-1][:300] if text.strip() else ''}"
@@ -344,15 +463,15 @@ def parse_iterations(text: str) -> list[dict]:
     return out
 
 
-def throughput(run: Run, warmup: int, tokens_per_static_iteration: int) -> dict:
-    """tokens/s after the first `warmup` iterations (log lines' elapsed time) and over the wall clock."""
+def throughput(run: Run, measure: int, tokens_per_static_iteration: int) -> dict:
+    """tokens/s over the last `measure` iterations (log lines' elapsed time) and over the wall clock."""
     its = run.iterations
     tok = [it["tokens"] if it["tokens"] is not None else tokens_per_static_iteration for it in its]
-    steady = list(zip(its, tok))[warmup:]
-    seconds = sum(it["elapsed_s"] for it, _ in steady)
-    return {"steady_tokens_per_s": sum(t for _, t in steady) / seconds if steady and seconds > 0 else None,
+    window = list(zip(its, tok))[-measure:] if measure else []
+    seconds = sum(it["elapsed_s"] for it, _ in window)
+    return {"tokens_per_s": sum(t for _, t in window) / seconds if window and seconds > 0 else None,
             "wall_tokens_per_s": sum(tok) / run.wall_s if its and run.wall_s > 0 else None,
-            "timed_iterations": len(steady), "tokens": sum(tok),
+            "measured_iterations": len(window), "window_tokens": sum(t for _, t in window), "window_s": seconds,
             "tokens_per_iteration": sum(tok) / len(tok) if tok else None}
 
 
@@ -360,256 +479,268 @@ def within(run: Run) -> bool | None:
     return None if run.memory is None or run.memory["within"] is None else run.memory["within"]
 
 
-def dcp_layouts(run: Run) -> str:
+def layouts_used(run: Run, last: int) -> str:
     counts: dict[str, int] = {}
-    for it in run.iterations:
+    for it in run.iterations[-last:]:
         lay = (it["layout"] or "").split(" | ")[0].replace("layout: ", "") if it["layout"] else "?"
         counts[lay] = counts.get(lay, 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in counts.items()) or "-"
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "-"
 
 
-def run_static(cands: list[Candidate], args, work: str) -> list[tuple[Candidate, Run]]:
-    """Runnable candidates in order, at most --static-runs; an over-budget run lets its recompute variant in first."""
+def report(run: Run, args) -> None:
+    t = throughput(run, args.measure, 0)
+    mem = run.memory
+    peak = f"peak {max(mem['peaks_mib'])} MiB ({'within' if mem['within'] else 'over budget'})" if mem else "no memory line"
+    speed = f"{t['tokens_per_s']:.0f} tokens/s" if t["tokens_per_s"] else "no measured iterations"
+    state = f"failed: {run.error}" if run.error else f"{speed}, {peak}"
+    print(f"    done in {run.wall_s:.0f} s: {state}", file=sys.stderr, flush=True)
+
+
+def run_static(cands: list[Candidate], s: Setting, data: Data, kernel: str, args, work: str) -> list[tuple[Candidate, Run]]:
+    """Runnable candidates in order, at most --static-runs; a megatron run over the budget lets its
+    recompute variant in next."""
     queue = [c for c in cands if not c.verdict]
     waiting = {c.config: c for c in cands if c.verdict.startswith("held back")}
     done: list[tuple[Candidate, Run]] = []
     while queue and len(done) < args.static_runs:
         cand = queue.pop(0)
         c = cand.config
-        run = launch(f"static {c.label}", static_flags(c, args), args.nproc, work, args.run_timeout,
-                     note=f"[{len(done) + 1}/{min(args.static_runs, len(done) + 1 + len(queue))}] ")
+        flags = (static_flags(c, s, data, kernel, args) if c.runtime == "megatron" else
+                 dcp_flags(s, data, kernel, args, "static", (c.tp, c.cp, c.pp)))
+        run = launch(f"{s.name} {kernel} {c.runtime} {c.label}", flags, WORLD, work, args.run_timeout,
+                     note=f"[{c.runtime} {len(done) + 1}/{min(args.static_runs, len(done) + 1 + len(queue))}] ")
         cand.verdict = "ran"
         done.append((cand, run))
         report(run, args)
-        if within(run) is False:
-            alt = waiting.pop(Config(c.tp, c.cp, c.pp, c.mbs, True, c.world), None) if not c.recompute else None
+        if within(run) is False and c.runtime == "megatron" and not c.recompute:
+            alt = waiting.pop(replace(c, recompute=True), None)
             if alt is not None:
                 alt.verdict = ""
                 queue.insert(0, alt)
     for cand in queue:
-        cand.verdict = f"--static-runs {args.static_runs} reached (predicted slower, or a fallback queued last)"
+        cand.verdict = f"--static-runs {args.static_runs} reached (predicted slower)"
     return done
 
 
-def report(run: Run, args) -> None:
-    t = throughput(run, args.warmup, args.tokens)
-    mem = run.memory
-    peak = f"peak {max(mem['peaks_mib'])} MiB ({'within' if mem['within'] else 'over budget'})" if mem else "no memory line"
-    speed = f"{t['steady_tokens_per_s']:.0f} tokens/s" if t["steady_tokens_per_s"] else "no timed iterations"
-    state = f"failed: {run.error}" if run.error else f"{speed}, {peak}"
-    print(f"    done in {run.wall_s:.0f} s: {state}", file=sys.stderr, flush=True)
-
-
-def row(name: str, layout: str, run: Run, args, predicted_peak: float | None = None) -> dict:
-    t = throughput(run, args.warmup, args.tokens)
-    return {"run": name, "layout": layout, **t, "wall_s": run.wall_s,
+def row(runtime: str, layout: str, run: Run, args, s: Setting, predicted_peak: float | None = None) -> dict:
+    t = throughput(run, args.measure, s.tokens)
+    return {"runtime": runtime, "layout": layout, **t, "wall_s": run.wall_s,
             "predicted_peak_mib": None if predicted_peak is None else predicted_peak / MiB,
             "peaks_mib": run.memory["peaks_mib"] if run.memory else None, "what": run.memory["what"] if run.memory else None,
             "vmhwm_gb": [run.vmhwm_gb[r] for r in sorted(run.vmhwm_gb)], "within_budget": within(run),
-            "last_loss": run.iterations[-1]["loss"] if run.iterations else None, "error": run.error,
-            "iterations": run.iterations}
+            "headroom": run.headroom, "last_loss": run.iterations[-1]["loss"] if run.iterations else None,
+            "error": run.error, "iterations": run.iterations}
+
+
+def counts(r: dict, args) -> bool:
+    """A run that may be the best static: finished, within the budget by its own line, measured."""
+    return bool(r["within_budget"] and not r["error"] and r["tokens_per_s"]
+                and r["measured_iterations"] >= min(args.measure, args.iters))
 
 
 def fmt(x, spec):
-    """format(x, spec), or a dash as wide as the spec asks for."""
     width = re.match(r"\d*", spec).group(0)
     return "-".rjust(int(width) if width else 0) if x is None else format(x, spec)
 
 
+# ----------------------------------------------------------------------------- one table
+def measure_table(setting_name: str, kernel: str, args, work: str) -> dict:
+    from megatron.training.arguments import memory_size
+
+    s = setting_for(setting_name, kernel, args)
+    data = resolve_data(s, args)
+    megatron = plan_megatron(s, data, kernel, args) if "megatron" in args.runtimes else []
+    dcp_static = plan_dcp_static(s, data, kernel, args) if "dcp-static" in args.runtimes else []
+    print(f"[{s.name}, {kernel}] {data.line}", file=sys.stderr, flush=True)
+    runs = run_static(megatron, s, data, kernel, args, work) + run_static(dcp_static, s, data, kernel, args, work)
+    adaptive = launch(f"{s.name} {kernel} dcp adaptive", dcp_flags(s, data, kernel, args), WORLD, work,
+                      args.run_timeout, note="[adaptive] ")
+    report(adaptive, args)
+    rows = [row(c.config.runtime, c.config.label, r, args, s, c.predicted_peak) for c, r in runs]
+    ad = row("dcp adaptive", layouts_used(adaptive, args.measure), adaptive, args, s)
+    best = {}
+    for rt in ("megatron", "dcp-static"):
+        ok = [r for r in rows if r["runtime"] == rt and counts(r, args)]
+        best[rt] = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+    both = [r for r in best.values() if r is not None]
+    best["both"] = max(both, key=lambda r: r["tokens_per_s"]) if both else None
+    ratios = {}
+    for key, b in best.items():
+        if b is not None and ad["tokens_per_s"]:
+            ratios[key] = {"tokens_per_s": ad["tokens_per_s"] / b["tokens_per_s"],
+                           "wall": (ad["wall_tokens_per_s"] / b["wall_tokens_per_s"]) if b["wall_tokens_per_s"] else None}
+    bound = None
+    if ad["headroom"] and ad["headroom"]["bound_s"] > 0 and ad["headroom"]["iterations"] == ad["measured_iterations"]:
+        bound = ad["window_tokens"] / ad["headroom"]["bound_s"]  # the same iterations' tokens
+    return {"setting": asdict(s), "kernel": kernel, "data": data.line, "budget_mib": memory_size(s.budget) / MiB,
+            "rows": rows, "adaptive": ad, "best": {k: (v["runtime"] + " " + v["layout"]) if v else None
+                                                     for k, v in best.items()},
+            "ratios": ratios, "bound_tokens_per_s": bound,
+            "bound_ratio": (bound / best["both"]["tokens_per_s"]) if bound and best["both"] else None,
+            "not_run": not_run(megatron + dcp_static)}
+
+
 def not_run(cands: list[Candidate]) -> dict[str, list[str]]:
-    """The configs that did not run, grouped by why (the cost model's peak in MiB after each pruned one)."""
     groups: dict[str, list[str]] = {}
     for cand in cands:
         if cand.verdict == "ran":
             continue
-        reason = cand.verdict.split(":")[0] if cand.verdict.startswith("cost model") else cand.verdict
-        if reason == "cost model":
-            reason = "cost model: peak over the budget (its MiB)"
-        short = cand.config.label.replace(" pp", "pp").replace(" cp", "cp").replace(" +recompute", " +rc")
-        extra = f" ({cand.predicted_peak / MiB:.0f})" if reason.startswith("cost model") else ""
-        groups.setdefault(reason, []).append(short + extra)
+        reason = cand.verdict.split(" (")[0] if cand.verdict.startswith("cannot hold") else cand.verdict
+        reason = "cost model: peak over twice the budget" if reason.startswith("cost model") else reason
+        groups.setdefault(f"{cand.config.runtime}: {reason}", []).append(cand.config.label)
     return groups
 
 
-def print_table(rows: list[dict], best: dict | None, args) -> None:
-    print(f"{'run':6s} {'layout':34s} {'tok/it':>6s} {'tok/s':>7s} {'tok/s wall':>10s} {'wall s':>7s} {'peak MiB per rank':>18s} "
-          f"{'(cost model)':>12s} {'VmHWM GB per rank':>20s} {'within':>7s}")
-    for r in rows:
+def print_table(t: dict, args) -> None:
+    s = t["setting"]
+    print(f"\n=== {s['name']}, {t['kernel']} attention on every run: {t['data']}; {s['tokens']} tokens an "
+          f"iteration, budget {s['budget']} ({t['budget_mib']:.0f} MiB) per rank")
+    print(f"{'runtime':13s} {'layout':36s} {'tok/s':>7s} {'tok/s wall':>10s} {'wall s':>7s} {'peak MiB per rank':>18s} "
+          f"{'within':>7s}")
+    for r in t["rows"] + [t["adaptive"]]:
         peaks = " ".join(map(str, r["peaks_mib"])) if r["peaks_mib"] else "-"
-        hwm = " ".join(f"{v:.2f}" for v in r["vmhwm_gb"]) or "-"
         ok = {True: "yes", False: "no", None: "?"}[r["within_budget"]]
-        mark = " <- best static" if best is not None and r is best else ""
+        name = f"{r['runtime']} {r['layout']}"
+        marks = [k for k, v in t["best"].items() if v == name and k != "both"]
+        mark = "  <- best " + marks[0] if marks else ""
         if r["error"]:
-            print(f"{r['run']:6s} {r['layout']:34s} failed: {r['error']}")
+            print(f"{r['runtime']:13s} {r['layout'][:36]:36s} failed: {r['error']}")
             continue
-        print(f"{r['run']:6s} {r['layout']:34s} {fmt(r['tokens_per_iteration'], '6.0f')} "
-              f"{fmt(r['steady_tokens_per_s'], '7.0f')} {fmt(r['wall_tokens_per_s'], '10.0f')} "
-              f"{r['wall_s']:7.0f} {peaks:>18s} {fmt(r['predicted_peak_mib'], '12.0f')} {hwm:>20s} {ok:>7s}  "
-              f"{mark}")
+        print(f"{r['runtime']:13s} {r['layout'][:36]:36s} {fmt(r['tokens_per_s'], '7.0f')} "
+              f"{fmt(r['wall_tokens_per_s'], '10.0f')} {r['wall_s']:7.0f} {peaks:>18s} {ok:>7s}{mark}")
+    if len(t["adaptive"]["layout"]) > 36:
+        print(f"  adaptive's layouts over the measured iterations: {t['adaptive']['layout']}")
+    for reason, labels in t["not_run"].items():
+        print(f"  not run, {reason}: " + "; ".join(labels))
+    names = {"megatron": "megatron-core's best static", "dcp-static": "dcp-static's best", "both": "the best static of both"}
+    for key in ("megatron", "dcp-static", "both"):
+        r = t["ratios"].get(key)
+        if r:
+            print(f"  adaptive / {names[key]} ({t['best'][key]}): {r['tokens_per_s']:.2f}x tokens/s over the last "
+                  f"{args.measure} iterations, {fmt(r['wall'], '.2f')}x over the whole command")
+        else:
+            print(f"  adaptive / {names[key]}: n/a (no such run finished within the budget)")
+    if t["bound_tokens_per_s"]:
+        print(f"  lower bound of adaptive's measured batches with its calibrated prices: {t['bound_tokens_per_s']:.0f} "
+              f"tokens/s" + (f", {t['bound_ratio']:.2f}x the best static" if t["bound_ratio"] else ""))
 
 
-def plot(rows: list[dict], best: dict | None, budget_mib: float, path: str) -> None:
-    """Two panels per run: tokens/s after warm-up, and the largest rank's measured peak against the budget."""
+def plot(tables: list[dict], path: str) -> None:
+    """One panel per table: tokens/s per run (adaptive orange), hatched where over the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if not r["error"] and r["steady_tokens_per_s"]]
+    shown = [t for t in tables if any(r["tokens_per_s"] for r in t["rows"] + [t["adaptive"]])]
     if not shown:
         return
-    names = [("dcp adaptive\n" + r["layout"]) if r["run"] == "dcp" else r["layout"] for r in shown]
-    colors = ["tab:orange" if r["run"] == "dcp" else "tab:blue" for r in shown]
-    hatches = ["//" if r["within_budget"] is False else "" for r in shown]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.55 * len(shown) + 2), sharey=True)
-    speeds = [r["steady_tokens_per_s"] for r in shown]
-    peaks = [max(r["peaks_mib"]) if r["peaks_mib"] else 0 for r in shown]
-    for ax, values in ((ax1, speeds), (ax2, peaks)):
-        bars = ax.barh(names, values, color=colors, edgecolor="black")
-        for bar, hatch in zip(bars, hatches):
-            bar.set_hatch(hatch)
-    for i, r in enumerate(shown):
-        ax1.text(speeds[i], i, f" {speeds[i]:.0f}" + (" (best static)" if r is best else ""), va="center", fontsize=8)
-    ax1.set_xlim(0, max(speeds) * 1.35)
-    ax1.set_xlabel("tokens/s (after the warm-up iterations)")
-    ax1.invert_yaxis()
-    ax2.axvline(budget_mib, color="red", linestyle="--", label=f"budget {budget_mib:.0f} MiB")
-    ax2.set_xlabel("largest rank's peak (MiB, the run's memory line)")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(shown) < 6 else -0.12), frameon=False)
-    fig.suptitle("megatron-core static layouts (blue) vs --dcp adaptive (orange); hatched: over the budget")
+    fig, axes = plt.subplots(len(shown), 1, figsize=(10, sum(0.42 * (len(t["rows"]) + 1) + 1.2 for t in shown)),
+                             squeeze=False)
+    for ax, t in zip(axes[:, 0], shown):
+        rs = [r for r in t["rows"] + [t["adaptive"]] if r["tokens_per_s"]]
+        names = [f"{r['runtime']} {r['layout'][:40]}" for r in rs]
+        speeds = [r["tokens_per_s"] for r in rs]
+        colors = ["tab:orange" if r["runtime"] == "dcp adaptive" else
+                  ("tab:blue" if r["runtime"] == "megatron" else "tab:green") for r in rs]
+        bars = ax.barh(names, speeds, color=colors, edgecolor="black")
+        for bar, r in zip(bars, rs):
+            if r["within_budget"] is False:
+                bar.set_hatch("//")
+        for i, v in enumerate(speeds):
+            ax.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+        if t["bound_tokens_per_s"]:
+            ax.axvline(t["bound_tokens_per_s"], color="red", linestyle="--", label="lower bound (adaptive's batches)")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(speeds + [t["bound_tokens_per_s"] or 0]) * 1.25)
+        s = t["setting"]
+        ax.set_title(f"{s['name']}, {t['kernel']} attention, max {s['seq_length']} tokens, {s['budget']}", fontsize=10)
+    axes[-1, 0].set_xlabel(f"tokens/s over the last iterations (blue: megatron-core static, green: --dcp-planner "
+                           f"static, orange: --dcp adaptive; hatched: over the budget)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- main
 def parse_cli(argv):
     from megatron.training.arguments import memory_size
 
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", default="256MB", help="per-device memory budget (--dcp-device-memory), e.g. 256MB")
-    ap.add_argument("--iters", type=int, default=None, help="iterations per run (default 5, --quick 4)")
-    ap.add_argument("--warmup", type=int, default=2, help="iterations left out of tokens/s")
-    ap.add_argument("--static-runs", type=int, default=None, help="static runs at most (default 10, --quick 3)")
+    ap.add_argument("--setting", nargs="+", choices=ALL + ("all",), default=["long-tail"])
+    ap.add_argument("--kernels", nargs="+", choices=["math", "flash"], default=["math", "flash"],
+                    help="--dcp-cpu-attention of every run, one table per kernel")
+    ap.add_argument("--runtimes", nargs="+", choices=["megatron", "dcp-static"], default=["megatron", "dcp-static"],
+                    help="where the best static layout is searched")
+    ap.add_argument("--budget", default=None, help="per-device memory budget for every setting (default: the setting's)")
+    ap.add_argument("--iters", type=int, default=None, help="iterations per run (default 30, --quick 8)")
+    ap.add_argument("--measure", type=int, default=None, help="last iterations in tokens/s (default 20, --quick 5)")
+    ap.add_argument("--static-runs", type=int, default=None, help="static runs at most per runtime (default 6, --quick 2)")
     ap.add_argument("--quick", action="store_true", help="fewer static runs and iterations (a smoke run)")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--seq-length", type=int, default=2048)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens per iteration (global batch)")
-    ap.add_argument("--run-timeout", type=float, default=420.0, help="seconds before a run is killed")
-    ap.add_argument("--data-path", default=None, help="a .bin/.idx prefix (default: the long-tailed corpus)")
-    ap.add_argument("--lengths", default=None, help="the default corpus's length file (../shared/data/lengths/)")
+    ap.add_argument("--run-timeout", type=float, default=1500.0, help="seconds before a run is killed")
+    ap.add_argument("--data-path", default=None, help="a .bin/.idx prefix for the `today` setting")
     for flag in TOKENIZER_FLAGS:
         ap.add_argument(flag, default=None, help="with --data-path: as pretrain_gpt_dcp.py")
-    ap.add_argument("--fixed-pairs", type=int, default=None,
-                    help="A B pairs of the fixed-layout comparison per layout (default 1, --quick 0)")
-    ap.add_argument("--dcp-cpu-attention", nargs="+", choices=["math", "flash"], default=["math", "flash"],
-                    help="--dcp's document attention kernel(s), one adaptive run each (default both: math, the "
-                         "demo's, whose probabilities make long documents need CP, TP or recompute under the budget; "
-                         "flash, torch's CPU flash kernel, the one megatron-core's masked attention runs)")
-    ap.add_argument("--busy", type=int, default=0, help="cores kept busy by competing processes (a straggler)")
     ap.add_argument("--json", default=os.path.join(RESULTS, "real_win.json"))
     ap.add_argument("--plot", default=os.path.join(RESULTS, "real_win.png"))
     args = ap.parse_args(argv)
-    args.fixed_pairs = args.fixed_pairs if args.fixed_pairs is not None else (0 if args.quick else 1)
+    if "all" in args.setting:
+        args.setting = list(ALL)
     if args.data_path is None and any(getattr(args, f[2:].replace("-", "_")) for f in TOKENIZER_FLAGS):
-        raise BenchError("the tokenizer flags go with --data-path (the default corpus is byte-level)")
-    if args.data_path is not None and args.lengths is not None:
-        raise BenchError("--lengths shapes the default corpus: drop it with --data-path")
-    try:
-        args.budget_bytes = memory_size(args.budget)
-    except argparse.ArgumentTypeError as e:
-        raise BenchError(f"--budget: {e}") from None
-    args.iters = args.iters if args.iters is not None else (5 if args.quick else 6)
-    args.static_runs = args.static_runs if args.static_runs is not None else (3 if args.quick else 10)
-    if args.iters <= args.warmup:
-        raise BenchError(f"--iters {args.iters} leaves no timed iteration after --warmup {args.warmup}: raise --iters")
-    if args.tokens % args.seq_length:
-        raise BenchError(f"--tokens {args.tokens} is not a multiple of --seq-length {args.seq_length}")
-    if args.static_runs < 1 or args.nproc < 1:
-        raise BenchError("--static-runs and --nproc must be >= 1")
+        raise BenchError("the tokenizer flags go with --data-path (the shipped corpora are byte-level)")
+    if args.data_path is not None and "today" not in args.setting:
+        raise BenchError("--data-path is the `today` setting's corpus: add --setting today")
+    if args.budget is not None:
+        try:
+            memory_size(args.budget)
+        except argparse.ArgumentTypeError as e:
+            raise BenchError(f"--budget: {e}") from None
+    args.iters = args.iters if args.iters is not None else (8 if args.quick else 30)
+    args.measure = args.measure if args.measure is not None else (5 if args.quick else 20)
+    args.static_runs = args.static_runs if args.static_runs is not None else (2 if args.quick else 6)
+    if not 1 <= args.measure <= args.iters:
+        raise BenchError(f"--measure {args.measure} must be between 1 and --iters {args.iters}")
+    if args.static_runs < 1:
+        raise BenchError("--static-runs must be >= 1")
     return args
 
 
 def main(argv=None) -> int:
     try:
         args = parse_cli(argv)
-        require_flags(["--dcp-device-memory", "--dcp-split-long-documents"], "this benchmark")
-        resolve_data(args)
+        require_flags(["--dcp-device-memory", "--dcp-split-long-documents", "--dcp-calibrate-at-start"],
+                      "this benchmark")
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    cands = plan_static(args)
-    runnable = sum(1 for c in cands if not c.verdict)
-    print(f"  {len(cands)} static configs; cost model prunes {sum(1 for c in cands if c.verdict.startswith('cost'))}, "
-          f"holds back {sum(1 for c in cands if c.verdict.startswith('held'))} recompute variants; {runnable} to run, "
-          f"at most {args.static_runs}", file=sys.stderr, flush=True)
-    fixed = []
-    with Busy(args.busy), tempfile.TemporaryDirectory() as work:
-        static = run_static(cands, args, work)
-        dcps = []
-        for kernel in args.dcp_cpu_attention:
-            dcps.append(launch(f"dcp adaptive {kernel}", dcp_flags(args) + ["--dcp-cpu-attention", kernel], args.nproc,
-                               work, args.run_timeout, note="[dcp] "))
-            report(dcps[-1], args)
-        if args.fixed_pairs:
-            fixed = fixed_layout.measure(argparse.Namespace(**{**vars(args), "layouts": list(fixed_layout.LAYOUTS),
-                                                               "dcp_cpu_attention": "flash",
-                                                               "repeats": args.fixed_pairs,
-                                                               "budget": fixed_layout.SPEED_BUDGET}), work)
-    rows = [row("static", c.config.label, r, args, c.predicted_peak) for c, r in static]
-    survivors = [r for r in rows if r["within_budget"] and not r["error"] and r["steady_tokens_per_s"]]
-    best = max(survivors, key=lambda r: r["steady_tokens_per_s"]) if survivors else None
-    dcp_rows = [row("dcp", f"{kernel} attention: {dcp_layouts(run)}", run, args)
-                for kernel, run in zip(args.dcp_cpu_attention, dcps)]
-    rows.extend(dcp_rows)
-    budget_mib = args.budget_bytes / MiB
-
-    print(f"Best static layout vs --dcp adaptive: CPU demo model (4 layers, hidden 128, 8 heads / 4 query groups, "
-          f"SwiGLU, RMSNorm, RoPE, byte-level, fp32), {args.nproc} gloo ranks, {args.tokens}-token iterations, "
-          f"{args.iters} iterations a run ({args.warmup} warm-up left out of tok/s), budget {args.budget} "
-          f"({budget_mib:.0f} MiB) per rank")
+    tables = []
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.setting:
+            for kernel in args.kernels:
+                try:
+                    tables.append(measure_table(name, kernel, args, work))
+                except BenchError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+    print(f"Adaptive (--dcp) vs the best static layout of megatron-core's path and of --dcp-planner static, "
+          f"the same kernel on both sides: CPU demo model (4 layers, hidden 128, 8 heads / 4 query groups, SwiGLU, "
+          f"RMSNorm, RoPE, byte-level, fp32), {WORLD} gloo ranks, {args.iters} iterations a run, tokens/s over "
+          f"the last {args.measure}")
     print(f"machine: {describe()}")
-    print(args.data_line + "; static: --seq-length samples with --reset-attention-mask "
-          "--reset-position-ids; dcp: --dcp-split-long-documents")
-    what = next((r["what"] for r in rows if r["what"]), "?")
-    print(f"peak MiB per rank: each run's own line ({what}); VmHWM: each worker's peak RSS read from outside "
-          "(code and libraries included); tok/it: tokens per iteration; tok/s wall: all tokens over the whole "
-          "command (start-up included)")
-    print_table(rows, best, args)
-    print("static configs not run:")
-    for reason, labels in not_run(cands).items():
-        print(f"  {reason}: " + "; ".join(labels))
-    if best is None:
-        print("best static: none (no static run stayed within the budget by measurement)")
-    else:
-        print(f"best static: {best['layout']} ({best['steady_tokens_per_s']:.0f} tokens/s)")
-    for kernel, dcp_row in zip(args.dcp_cpu_attention, dcp_rows):
-        if best is not None and dcp_row["steady_tokens_per_s"]:
-            ratio = dcp_row["steady_tokens_per_s"] / best["steady_tokens_per_s"]
-            wall = (dcp_row["wall_tokens_per_s"] / best["wall_tokens_per_s"]) if best["wall_tokens_per_s"] else None
-            dcp_ok = {True: "within the budget", False: "OVER the budget",
-                      None: "budget unknown"}[dcp_row["within_budget"]]
-            print(f"dcp ({kernel} attention) / best static (tokens/s): {ratio:.2f}x after warm-up, "
-                  f"{fmt(wall, '.2f')}x over the wall clock (dcp {dcp_ok})")
-        else:
-            print(f"dcp ({kernel} attention) / best static: n/a" + (" (dcp failed)" if dcp_row["error"] else ""))
-    if fixed:
-        fixed_layout.print_rows(fixed, args.busy)
+    print("peak MiB per rank: each run's own memory line; tok/s wall: every token over the whole command "
+          "(start-up and the adaptive run's startup calibration included)")
+    for t in tables:
+        print_table(t, args)
     total = time.perf_counter() - t_start
-    print(f"benchmark took {total / 60:.1f} min")
-
-    result = {"machine": describe(), "budget": args.budget, "budget_bytes": args.budget_bytes, "iters": args.iters,
-              "warmup": args.warmup, "tokens": args.tokens, "seq_length": args.seq_length, "nproc": args.nproc,
-              "data": args.data_line, "quick": args.quick, "runs": rows, "fixed_layout": fixed, "busy": args.busy,
-              "dcp_cpu_attention": args.dcp_cpu_attention, "prune_slack": PRUNE_SLACK,
-              "best_static": best["run"] if best else None, "minutes": total / 60,
-              "static_configs": [{**asdict(c.config), "predicted_peak_mib": None if c.predicted_peak is None else
-                                  c.predicted_peak / MiB, "predicted_s": c.predicted_s, "verdict": c.verdict}
-                                 for c in cands]}
+    print(f"\nbenchmark took {total / 60:.1f} min")
+    result = {"machine": describe(), "iters": args.iters, "measure": args.measure, "static_runs": args.static_runs,
+              "quick": args.quick, "prune_slack": PRUNE_SLACK, "minutes": total / 60, "tables": tables}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, best, budget_mib, args.plot)
+    plot(tables, args.plot)
     print(f"results: {args.json}, plot: {args.plot}")
     return 0
 

@@ -7,7 +7,8 @@ This writes `.bin/.idx` documents whose lengths are the first documents of a shi
 file (`../shared/data/lengths/`, default `text_reuters21578_cl100k.txt`: Reuters-21578
 news, median 154 tokens, p99 993, max 5,651) and whose tokens are consecutive bytes of the
 demo corpus (this Python's standard-library sources, byte-level), each document ended by
-EOD. Built once per (length file, document count) under the cache directory.
+EOD. Built once per (length file, document count) under the cache directory. "uniform:N"
+instead of a length file: every document N tokens (the control where no layout change helps).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "lengths")
 DEFAULT_LENGTHS = "text_reuters21578_cl100k.txt"
+UNIFORM_DOCUMENTS = 20_000  # "uniform:N": a corpus of this many N-token documents
 
 
 def lengths_file(name: str) -> str:
@@ -33,12 +35,16 @@ def ensure_long_tail_corpus(cache_dir: str, lengths_name: str = DEFAULT_LENGTHS,
     from dcp_ext.data.indexed import DocumentWriter, IndexedDocuments
     from dcp_ext.data.tokenizers import ByteLevelTokenizer
 
-    path = lengths_file(lengths_name)
-    stem = os.path.splitext(os.path.basename(path))[0]
+    if lengths_name.startswith("uniform:"):  # every document the same length: N, 20,000 of them
+        path, stem = None, f"uniform_{int(lengths_name.split(':', 1)[1])}"
+    else:
+        path = lengths_file(lengths_name)
+        stem = os.path.splitext(os.path.basename(path))[0]
     prefix = os.path.join(os.path.abspath(cache_dir), f"long_tail_{stem}" + (f"_n{documents}" if documents else ""), "text_document")
     if os.path.isfile(prefix + ".meta.json"):
         return prefix
-    lengths = np.loadtxt(path, dtype=np.int64)
+    lengths = (np.full(UNIFORM_DOCUMENTS, int(stem.split("_")[1]), dtype=np.int64) if path is None
+               else np.loadtxt(path, dtype=np.int64))
     lengths = lengths[:documents] if documents else lengths
     source = IndexedDocuments(ensure_demo_corpus(cache_dir))
     tok = ByteLevelTokenizer()
@@ -51,7 +57,7 @@ def ensure_long_tail_corpus(cache_dir: str, lengths_name: str = DEFAULT_LENGTHS,
             at += len(body)
             writer.add(np.append(body, np.uint16(tok.eod)))
         writer.finalize({"tokenizer": dict(tok.unique_identifiers), "eod": tok.eod, "append_eod": True,
-                         "source": f"demo corpus bytes cut to the lengths of {os.path.basename(path)}"})
+                         "source": f"demo corpus bytes cut to the lengths of {os.path.basename(path) if path else stem}"})
     except BaseException:
         writer.abort()
         raise

@@ -36,6 +36,8 @@ from dcp_ext.planning.plan import IterationPlan
 WINDOW = 48  # micro-batches kept per (layout, recompute level); sync and overhead windows alike
 RIDGE = 0.05  # weight of the pull towards the pooled fit, in units of one observation's relative error
 OUTLIER_MADS = 3.0
+RATIO_WINDOW = 16  # training steps kept per kind (one layout, mixed layouts) for `mix_factor`
+RATIO_MIN = 3  # steps of each kind before the mixed ones are priced by what they measured
 
 
 @dataclass(frozen=True)
@@ -64,17 +66,22 @@ class Observation:
     syncs: list[SyncSample]
     outside_s: float  # iteration wall time minus its slowest replica's
     memory_excess: float = 0.0  # bytes: the most any rank held above its replica's predicted peak
+    # a training step's measured wall time over the time its plan predicted, and whether the plan
+    # mixed layouts (None: not a training step, e.g. the startup calibration's probes)
+    mixed: bool | None = None
+    wall_ratio: float = 0.0
 
 
 def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[Sequence[float]],
             sync_s: Sequence[float], replica_s: Sequence[float], wall_s: float, stage_recompute,
-            memory_excess: float = 0.0) -> Observation:
+            memory_excess: float = 0.0, probe: bool = False) -> Observation:
     """An Observation from a plan and the runtime's reduced timings: `mb_seconds[r][j]` the
     j-th micro-batch of replica r, forward+backward summed over its stages; `sync_s[r]`
     pull+push (0 when overlapped: not observed); `replica_s[r]` the replica's whole step;
     `wall_s` the iteration's. `stage_recompute(layout, recompute_layers)` gives the plan's
     model-wide recompute count per stage (CostModel.stage_recompute). `memory_excess`: bytes
-    the ranks held above their replicas' predicted peaks (the most over ranks; 0 unmeasured)."""
+    the ranks held above their replicas' predicted peaks (the most over ranks; 0 unmeasured).
+    `probe`: not a training step (its plan's prediction is not compared with its wall time)."""
     mbs, syncs = [], []
     n = len(it.replicas)
     for r, rep in enumerate(it.replicas):
@@ -89,7 +96,9 @@ def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[
         if sync_s[r] > 0:
             syncs.append(SyncSample(tuple(lay), n, float(sync_s[r])))
     slowest = max((float(x) for x in replica_s), default=0.0)
-    return Observation(int(it.index), mbs, syncs, max(0.0, float(wall_s) - slowest), max(0.0, float(memory_excess)))
+    mixed = None if probe or it.predicted_time_s <= 0 else len({(r.tp, r.cp, r.pp) for r in it.replicas}) > 1
+    return Observation(int(it.index), mbs, syncs, max(0.0, float(wall_s) - slowest), max(0.0, float(memory_excess)),
+                       mixed, float(wall_s) / it.predicted_time_s if mixed is not None else 0.0)
 
 
 # ----------------------------------------------------------------------------- the fit
@@ -173,6 +182,8 @@ class Calibration:
         self.micro_batches: dict[tuple, deque] = {}
         self.syncs: dict[tuple, deque] = {}
         self.outside: deque = deque(maxlen=self.window)
+        # measured / predicted wall time of the last training steps, by whether they mixed layouts
+        self.wall_ratios = {False: deque(maxlen=RATIO_WINDOW), True: deque(maxlen=RATIO_WINDOW)}
         self.pending: list[Observation] = []
         self.applied_through: int | None = None
         self.version = 0
@@ -203,6 +214,8 @@ class Calibration:
             for s in obs.syncs:
                 self.syncs.setdefault(s.layout, deque(maxlen=self.window)).append(s)
             self.outside.append(obs.outside_s)
+            if obs.mixed is not None and obs.wall_ratio > 0:
+                self.wall_ratios[bool(obs.mixed)].append(float(obs.wall_ratio))
             self.memory_excess = max(self.memory_excess, float(obs.memory_excess))
             self.applied_through = obs.iteration
         self.pending = []
@@ -253,6 +266,20 @@ class Calibration:
                        b_f=prior.b_f * kb, b_b=prior.b_b * kb, c_f=prior.c_f * kc, c_b=prior.c_b * kc,
                        cp_att=prior.cp_att * ka, cp_comm=prior.cp_comm * kb)
 
+    @property
+    def mix_factor(self) -> float:
+        """What a plan that mixes layouts costs beyond its predicted time, relative to a plan of
+        one layout: the median measured/predicted wall time of the last mixed training steps
+        over that of the last single-layout ones (1.0 until each kind has `RATIO_MIN` steps).
+        The cost model prices each replica; what it leaves out of a mix (replicas that finish
+        apart when their layouts' prices are off in different directions, the exchange
+        between unlike layouts, cores shared unevenly) shows here, and the planner weighs
+        mixed plans by it: where a mix loses to one layout on what was measured, one layout runs."""
+        single, mixed = self.wall_ratios[False], self.wall_ratios[True]
+        if len(single) < RATIO_MIN or len(mixed) < RATIO_MIN:
+            return 1.0
+        return min(2.0, max(0.5, _median(list(mixed)) / _median(list(single))))
+
     def sync_ratio(self, layout: Layout) -> float:
         return self._sync_ratio.get(tuple(layout), self._sync_pooled)
 
@@ -262,7 +289,7 @@ class Calibration:
         k = "/".join(f"{x:.2f}" for x in self._k_pooled)
         return f"c0/attention/token/doc x{k} over {n} micro-batches, sync x{self._sync_pooled:.2f}, " \
                f"outside replicas {1000 * self.outside_s:.0f} ms, memory beyond the model {self.memory_excess / 2**20:.0f} MiB " \
-               f"(reserved {self.memory_reserve / 2**20:.0f})"
+               f"(reserved {self.memory_reserve / 2**20:.0f}), mixed layouts x{self.mix_factor:.2f}"
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -272,13 +299,14 @@ class Calibration:
         def obs(o):
             return {"iteration": o.iteration, "micro_batches": [mb(s) for s in o.micro_batches],
                     "syncs": [[list(s.layout), s.num_replicas, s.seconds] for s in o.syncs], "outside_s": o.outside_s,
-                    "memory_excess": o.memory_excess}
+                    "memory_excess": o.memory_excess, "mixed": o.mixed, "wall_ratio": o.wall_ratio}
 
         return {"window": self.window, "applied_through": self.applied_through,
                 "micro_batches": [mb(s) for key in sorted(self.micro_batches) for s in self.micro_batches[key]],
                 "syncs": [[list(s.layout), s.num_replicas, s.seconds] for lay in sorted(self.syncs)
                           for s in self.syncs[lay]],
                 "outside": list(self.outside), "pending": [obs(o) for o in self.pending],
+                "wall_ratios": {"single": list(self.wall_ratios[False]), "mixed": list(self.wall_ratios[True])},
                 "memory_reserve": self.memory_reserve, "memory_excess": self.memory_excess}
 
     def load_state_dict(self, state: dict, cm) -> None:
@@ -295,10 +323,13 @@ class Calibration:
         for s in map(sync, state.get("syncs", [])):
             self.syncs.setdefault(s.layout, deque(maxlen=self.window)).append(s)
         self.outside.extend(float(x) for x in state.get("outside", []))
+        ratios = state.get("wall_ratios", {})
+        self.wall_ratios[False].extend(float(x) for x in ratios.get("single", []))
+        self.wall_ratios[True].extend(float(x) for x in ratios.get("mixed", []))
         self.applied_through = state.get("applied_through")
         self.pending = [Observation(int(o["iteration"]), [mb(v) for v in o["micro_batches"]],
                                     [sync(v) for v in o["syncs"]], float(o["outside_s"]),
-                                    float(o.get("memory_excess", 0.0)))
+                                    float(o.get("memory_excess", 0.0)), o.get("mixed"), float(o.get("wall_ratio", 0.0)))
                         for o in state.get("pending", [])]
         self.memory_reserve = float(state.get("memory_reserve", 0.0))
         self.memory_excess = float(state.get("memory_excess", 0.0))

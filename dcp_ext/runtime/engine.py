@@ -97,17 +97,19 @@ class AdaptiveEngine:
 
     # --------------------------------------------------------------------- steps
     def train_iteration(self, it: IterationPlan, dataset, *, eod_mask_loss: bool = False,
-                        eod: int | None = None) -> StepResult:
+                        eod: int | None = None, update: bool = True) -> StepResult:
         """One training step of the plan on a document dataset: this rank's micro-batches are
         fetched, packed, padded and localised here, the loss divisor is the global batch's
-        loss-token count. Raises NoTrainableTokens if the global batch has none."""
+        loss-token count. Raises NoTrainableTokens if the global batch has none. `update`
+        False: all but the optimizer's update (parameters, optimizer state and loss scale
+        stay; the next push zeroes the gradients): what the startup calibration times."""
         with self.phase("dcp-fetch-pack"):
             loss_tokens = num_loss_tokens(dataset, it.sample_ids, eod_mask_loss, eod)
             if loss_tokens == 0:
                 raise NoTrainableTokens(f"iteration {it.index}: no token of the global batch is trained on")
             local = self.local_plan(it)
             micro_batches = local.localize(local.fetch(dataset, eod_mask_loss, eod), self.device)
-        return self._step(local, micro_batches, loss_tokens)
+        return self._step(local, micro_batches, loss_tokens, update)
 
     def step(self, it: IterationPlan, batches: list, loss_tokens: int) -> StepResult:
         """One training step on micro-batches packed by the caller (ThdBatch, plan order,
@@ -141,7 +143,7 @@ class AdaptiveEngine:
         plan = self.server.layout_plan(local.layout_key(), lambda: self.bank.layout(local.it, local.needs))
         return self.server.pull(plan, self.bank.params, clock), plan, numel, push_buckets
 
-    def _step(self, local: LocalPlan, micro_batches: list, loss_tokens: int) -> StepResult:
+    def _step(self, local: LocalPlan, micro_batches: list, loss_tokens: int, update: bool = True) -> StepResult:
         overlap, runner = self.options.overlap, local.stage.runner
         seed_rng_tracker(self.options.init_seed, local.it.index, local.coords[0])
         moved_before = self.server.bytes_moved()
@@ -169,7 +171,7 @@ class AdaptiveEngine:
                 self.server.optimizer.grad_square_sum())
         norm = math.sqrt(square)
         with self.phase("optimizer"):
-            ok = self.server.step(norm)
+            ok = self.server.step(norm) if update else False
         return StepResult(loss, tokens, norm, ok, moved, worst_wait, scale, timings, exchange_s=least_wait)
 
     def _reduce(self, local: LocalPlan, loss_sum, tokens, moved: float, waited: float,

@@ -51,14 +51,15 @@ class OnlineCalibration:
             self.peak_memory.window_peak_bytes()
         return self.planner.recalibrate()
 
-    def measured(self, it, batch, result, wall_s: float) -> None:
-        """Queue iteration `it`'s timings (collective: every rank calls it after each step)."""
+    def measured(self, it, batch, result, wall_s: float, probe: bool = False) -> None:
+        """Queue iteration `it`'s timings (collective: every rank calls it after each step);
+        `probe`: a step of the startup calibration, not of training."""
         lengths = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
         t = reduce_step(it, result.timings, wall_s, self.device, self._memory_excess(it, lengths),
                         host_group=self.host_group)
         self.last = t
         self.calibration.add(observe(it, lengths, t.micro_batches, t.sync_s, t.replica_s, t.wall_s,
-                                     self.planner.cm.stage_recompute, t.memory_excess))
+                                     self.planner.cm.stage_recompute, t.memory_excess, probe=probe))
 
     def balance_record(self, it) -> dict:
         """The last step's per-replica forward+backward (measured, summed over its micro-batches

@@ -12,13 +12,13 @@ import json
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing_adaptive, finite_weights
+from megatron.training import checkpointing_adaptive, finite_weights, startup_calibration
 from megatron.training.builders import transformer_config_from_args
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
@@ -357,12 +357,28 @@ class AdaptiveRun:
 
     def steps(self, scheduler, consumed_samples: int, logger, features) -> "AdaptiveSteps":
         self.engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
-        return AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds, self.valid_ds,
-                             consumed_samples, logger, features, self.recalibration, test_ds=self.test_ds)
+        if startup_calibration.wanted(self.args, self.planner, consumed_samples):
+            from dcp_ext.data.batches import GlobalBatchStream
+
+            first = GlobalBatchStream(self.train_ds, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len).peek(1)
+            if first:
+                print_rank_0(startup_calibration.calibrate_at_start(self.engine, self.planner, self.recalibration,
+                                                                    self.train_ds, first[0]))
+        self.adaptive_steps = AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds,
+                                            self.valid_ds, consumed_samples, logger, features, self.recalibration,
+                                            test_ds=self.test_ds)
+        return self.adaptive_steps
 
     def finish(self) -> None:
         if self.recalibration is not None:
             print_rank_0(f"> cost model recalibrated online: {self.recalibration.summary()}")
+        steps = getattr(self, "adaptive_steps", None)
+        line = steps.headroom_line() if steps is not None else None
+        if line:
+            print_rank_0(line)
+
+
+HEADROOM_WINDOW = 20  # the last iterations the closing headroom line sums (`AdaptiveSteps.headroom_line`)
 
 
 class AdaptiveSteps:
@@ -381,8 +397,8 @@ class AdaptiveSteps:
         self.test_ds, self.has_test = test_ds, test_ds is not None
         self.valid_batches = None  # the validation pass, walking on across evaluations (start_validation_at)
         self.eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
-        self.stream = GlobalBatchStream(train_ds, args.dcp_global_batch_tokens, args.dcp_max_seq_len,
-                                        consumed_samples=consumed)
+        self.first_iteration = None  # the first run()'s: a --step-batch-size-schedule's budgets count from it
+        self.stream = GlobalBatchStream(train_ds, self._budget(args), args.dcp_max_seq_len, consumed_samples=consumed)
         self.planning = ThreadPoolExecutor(max_workers=1)
         self.upcoming = None
         self.recalibration = recalibration
@@ -392,6 +408,7 @@ class AdaptiveSteps:
         self.batch = self.it = self.result = None
         self.plan_s = 0.0
         self.pool_said = None  # (pool_choices, pool) as last said (`_say_a_new_pool`)
+        self.recent = deque(maxlen=HEADROOM_WINDOW)  # (lengths, measured s, predicted s) of the last iterations
 
     def _say_a_new_pool(self, iteration: int) -> None:
         """One line each time the planner chose its candidate pool again (from measured
@@ -410,10 +427,22 @@ class AdaptiveSteps:
         it = self.planner.plan(index, batch.sample_ids, batch.lengths)
         return it, time.perf_counter() - t0
 
+    def _budget(self, args):
+        """Tokens per global batch: --dcp-global-batch-tokens, or with --step-batch-size-schedule
+        the size of the batch's iteration times --seq-length (a function of the batch's index)."""
+        from megatron.training.batch_schedule import batch_size_of_iteration, from_args
+
+        if from_args(args) is None:
+            return args.dcp_global_batch_tokens
+        return lambda j: batch_size_of_iteration(args, self.first_iteration + j) * args.seq_length
+
     def run(self, iteration: int) -> Outcome:
         from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
+        from megatron.training.batch_schedule import batch_size_of_iteration, from_args
 
         args = self.args
+        if self.first_iteration is None:
+            self.first_iteration = iteration
         start = time.perf_counter()
         self.batch = batch = self.stream.next()
         with self.features.timer("dcp-plan-wait", level=2):
@@ -437,7 +466,9 @@ class AdaptiveSteps:
             raise TrainingError(str(e)) from None
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
-            self.scheduler.step(increment=args.lr_step_increment)  # 1, or --global-batch-size under --train-samples
+            # 1, or --global-batch-size under --train-samples; a batch-size schedule's samples of this iteration
+            self.scheduler.step(increment=args.lr_step_increment if from_args(args) is None
+                                else batch_size_of_iteration(args, iteration))
         finite_weights.inject_nan_weights([self.engine.optimizer.master()], iteration + 1)  # a test hook
         if self.recalibration is not None:
             self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)
@@ -458,7 +489,11 @@ class AdaptiveSteps:
         change = layout_change_line(iteration, self.previous, it, lengths_of, self.planner)
         if change:
             print_rank_0(change)
+        note = getattr(self.planner, "notes", {}).pop(it.index, None)
+        if note:
+            print_rank_0(f"> iteration {iteration}: {note}")
         self.previous = (it, max(lengths_of.values(), default=0))
+        self.recent.append(([int(n) for n in batch.lengths], elapsed_s, it.predicted_time_s))
         extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"
                  f"{1000 * elapsed_s:.1f} | plan (ms): {1000 * self.plan_s:.1f} | exposed comm (ms): "
                  f"{1000 * result.exposed_comm_s:.1f} | exchange (ms): {1000 * result.exchange_s:.1f} | "
@@ -478,6 +513,26 @@ class AdaptiveSteps:
         if args.dcp_log_plan and dist.get_rank() == 0:
             with open(args.dcp_log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
+
+    def headroom_line(self) -> str | None:
+        """What the last iterations took, what their plans predicted, and the lower bound of
+        their batches with the prices as calibrated now (`dcp_ext.planning.bound`: no plan of
+        those batches beats it by the cost model): how much a better plan could still win."""
+        from dcp_ext.planning.bound import lower_bound
+
+        if not self.recent:
+            return None
+        cm = self.planner.cm
+        layouts = sorted(getattr(self.planner, "tables", {}) or cm.all_layouts())
+        try:
+            bound = sum(lower_bound(cm, lengths, layouts) + cm.iteration_overhead_s for lengths, _, _ in self.recent)
+        except ValueError:  # a batch no layout of the bound holds (a fixed planner's own layouts)
+            return None
+        measured = sum(m for _, m, _ in self.recent)
+        predicted = sum(p for _, _, p in self.recent)
+        return (f"> planner over the last {len(self.recent)} iterations: measured {measured:.2f} s, planned "
+                f"{predicted:.2f} s, lower bound {bound:.2f} s with the calibrated prices (no plan of these batches "
+                f"is faster by the cost model): measured/bound {measured / bound:.2f}x")
 
     def start_validation_at(self, batches: int) -> None:
         self.valid_batches = SplitBatches(self.args, self.valid_ds, skip=batches)

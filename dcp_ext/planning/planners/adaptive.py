@@ -149,6 +149,8 @@ class AdaptivePlanner(PlannerBase):
         self.reserve: list[Layout] = []  # layouts a re-chosen pool may use (rechoose_pool)
         self._pool_stale = False  # the next plan chooses the pool again first
         self._current: LayoutMix | None = None
+        self._regret_said = False  # the last no-regret line said a mix was set aside
+        self.notes: dict[int, str] = {}  # iteration index -> a line for the log (the training loop pops them)
         self._recalibrations = 0
         self.pool_choices = 1  # times the pool was chosen (at start, then by `_rechoose`)
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
@@ -368,6 +370,50 @@ class AdaptivePlanner(PlannerBase):
         self._use_pool(pool)
         self.pool_choices += 1
 
+    # ------------------------------------------------------------------ measured before committing
+    def probe_layouts(self) -> list[Layout]:
+        """The layouts the startup calibration measures: every layout a pool may use (the
+        reserve with `rechoose_pool`, else the pool's), in a fixed order."""
+        lays = self.reserve if self.rechoose_pool else sorted({l for c in self.pool.layouts for l, _ in c})
+        return sorted(set(lays), key=lambda l: (l.size, l.tp, l.cp, l.pp))
+
+    def probe_plan(self, index: int, layout: Layout, sample_ids: Sequence[int],
+                   lengths: Sequence[int]) -> IterationPlan | None:
+        """The batch, less the documents `layout` cannot hold, planned on world // size
+        replicas of `layout` alone (placed on its registered blocks): an iteration the startup
+        calibration runs to price `layout` on the job's own documents. None when it holds none
+        of them. The planner's state (current layout, pool) is not touched."""
+        lay = Layout(*layout)
+        table = self.tables.get(lay)
+        if table is None:
+            return None
+        keep = [(int(i), int(n)) for i, n in zip(sample_ids, lengths) if 0 < int(n) <= table.max_doc]
+        if not keep:
+            return None
+        ids = [i for i, _ in keep]
+        s = self._check_input(ids, [n for _, n in keep])
+        counts = canonical({lay: self.cluster.num_gpus // lay.size})
+        saved = self.pool_tables, self.placements
+        try:
+            self.pool_tables = {**self.pool_tables, lay: table}
+            self.placements = {**self.placements, counts: self._aligned(lay)}
+            prep = BatchPrep(self.cm, self.pool_tables, s)
+            t, order, bounds = screen(prep, counts)
+            if not math.isfinite(t):
+                return None
+            reps = self._full_plan(prep, counts, order, bounds)
+        finally:
+            self.pool_tables, self.placements = saved
+        return self.checked(to_iteration_plan(index, ids, reps, self.cm), ids, [n for _, n in keep])
+
+    def choose_pool_now(self) -> None:
+        """Choose the pool again from the current prices now (after the startup calibration);
+        the re-choices while training then follow the 2nd, 8th, 32nd... recalibration from here."""
+        if self.rechoose_pool:
+            self._pool_stale = False
+            self._recalibrations = 0
+            self._rechoose()
+
     def recalibrate(self) -> bool:
         """Prices changed: with `rechoose_pool`, the next plan first chooses the pool again
         after the 2nd, 8th, 32nd... recalibration (and when charged memory costs the pool
@@ -452,10 +498,12 @@ class AdaptivePlanner(PlannerBase):
         if longest > holdable:
             raise PlanningError(f"a sequence of {longest} tokens fits no candidate layout; the longest that fits is {int(holdable)} tokens")
         prep = BatchPrep(self.cm, self.pool_tables, s)
+        # plans that mix layouts are weighed by what mixes measured against single layouts
+        weight = [self.mix_factor if len(c) > 1 else 1.0 for c in self.pool.layouts]
         est = []
-        for c in self.pool.layouts:
+        for c, w in zip(self.pool.layouts, weight):
             t, order, bounds = screen(prep, c)
-            est.append((t, c, order, bounds))
+            est.append((t * w, c, order, bounds))
         ranked = sorted(range(len(est)), key=lambda i: (est[i][0], i))
         t0 = est[ranked[0]][0]
         if prep.n <= self.small_batch:
@@ -478,14 +526,14 @@ class AdaptivePlanner(PlannerBase):
         for i in pick:
             t_est, c, order, bounds = est[i]
             reps = self._full_plan(prep, c, order, bounds)
-            plans[i] = (max(r.time_s for r in reps), reps)
+            plans[i] = (max(r.time_s for r in reps) * weight[i], reps)
         if self._use_assign and prep.n <= self.side_plan_max_docs:
             # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
             # prices lower stays
             i = min(plans, key=lambda i: (plans[i][0], i))
-            alt = self._assign_plan(prep, est[i][1], est[i][0], beat=plans[i][0])
+            alt = self._assign_plan(prep, est[i][1], est[i][0] / weight[i], beat=plans[i][0] / weight[i])
             if alt is not None:
-                t_alt = max(r.time_s for r in alt)
+                t_alt = max(r.time_s for r in alt) * weight[i]
                 if t_alt < plans[i][0]:
                     plans[i] = (t_alt, alt)
         # the fastest; within 0.2% of it, the one with more (smaller) replicas
@@ -498,10 +546,32 @@ class AdaptivePlanner(PlannerBase):
                 t_cur = plans[cur_i][0]
                 if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
                     best = cur_i
+        self._note_regret(index, plans, best, weight)
         self._current = self.pool.layouts[best]
         # the plan contract v2 pass (layer strategies, uneven stages) on the chosen plan only:
         # it never makes a replica slower, and the choice above stays the v1 planner's
         return to_iteration_plan(index, sample_ids, self._v2(prep, plans[best][1]), self.cm)
+
+    @property
+    def mix_factor(self) -> float:
+        """The calibration's weight on plans that mix layouts (1.0 without online calibration)."""
+        cal = self.cm.calibration
+        return cal.mix_factor if cal is not None and cal.observed else 1.0
+
+    def _note_regret(self, index: int, plans: dict, best: int, weight: list[float]) -> None:
+        """When what mixes measured turns the choice from a mix to one layout (or back), one
+        line for the log (`notes[index]`), said when the state changes, not every iteration."""
+        unweighted = min(plans, key=lambda i: (plans[i][0] / weight[i], i))
+        turned = weight[unweighted] > 1.0 and len(self.pool.layouts[unweighted]) > 1 and len(self.pool.layouts[best]) == 1
+        if turned == self._regret_said:
+            return
+        self._regret_said = turned
+        mix, single = describe(self.pool.layouts[unweighted]), describe(self.pool.layouts[best])
+        if turned:
+            self.notes[index] = (f"no regret: mixed layouts measured x{self.mix_factor:.2f} their predicted time against "
+                                 f"single layouts; {single} runs instead of {mix} (priced "
+                                 f"{plans[unweighted][0] / weight[unweighted] * 1000:.0f} ms unweighted, "
+                                 f"{plans[best][0] * 1000:.0f} ms)")
 
     # ------------------------------------------------------------------ one layout in full
     def _full_plan(self, prep: BatchPrep, counts: LayoutMix, order, bounds: list[int]) -> list[PackedReplica]:

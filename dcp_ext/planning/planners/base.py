@@ -61,10 +61,14 @@ class PlannerBase:
         """`plan_iteration` with its post-conditions checked: a valid plan of this world and
         model, whose every micro-batch fits device memory (less the margin) by the
         simulator's account. A planning bug is then a PlanningError, never an OOM."""
+        return self.checked(self.plan_iteration(index, sample_ids, lengths), sample_ids, lengths)
+
+    def checked(self, it: IterationPlan, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
+        """`it` if it is a valid plan of this world and model that fits device memory (`plan`'s
+        post-conditions), else a PlanningError."""
         from dcp_ext.planning.planners.common import PlanningError
         from dcp_ext.planning.simulator import simulate_iteration
 
-        it = self.plan_iteration(index, sample_ids, lengths)
         m = self.model
         validate_iteration(it, self.cluster.num_gpus, m.num_layers, m.num_attention_heads, m.num_query_groups)
         result = simulate_iteration(self.cm, it, dict(zip((int(i) for i in sample_ids), (int(n) for n in lengths))))

@@ -1,0 +1,68 @@
+"""`--dcp-calibrate-at-start`: measure every candidate layout on this machine before training.
+
+Why it exists: the candidate pool is chosen from prices, and before any measurement those
+are the analytic prior's (or a profile's from another day), which can be off by several
+times and by different factors per layout (on 4 gloo ranks, 4.4x on the first iterations).
+A layout the prior misprices may then never be run, so never measured, so never chosen.
+Here, before the first iteration, every layout a pool may use runs one iteration's worth of
+the job's own first global batch (less the documents it cannot hold) on every aligned block
+of ranks at once, as training runs it (the ranks share the machine as they will), with
+pull, forward, backward and push but no optimizer update (`AdaptiveEngine.train_iteration(..., update=False)`).
+The timings go to the online calibration as a training step's do; the pool is then chosen
+again from the measured prices, and training starts from them.
+
+Every rank takes the same decisions from the same reduced numbers, so plans stay identical
+on every rank. The parameters, the optimizer and the data order are untouched, and no
+process group is created: the layouts are the planner's registered reserve.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from megatron.training.initialize import print_rank_0
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """What `OnlineCalibration.measured` reads of a batch."""
+
+    sample_ids: list
+    lengths: list
+
+
+def wanted(args, planner, consumed_samples: int) -> bool:
+    """Whether this run measures its layouts before training: a fresh adaptive run that
+    recalibrates online (a resumed one has its measurements in the checkpoint)."""
+    return (args.dcp_calibrate_at_start == "on" and args.dcp_recalibration == "on" and consumed_samples == 0
+            and hasattr(planner, "probe_layouts"))
+
+
+def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: int = -1) -> str:
+    """Run every probe layout once on `batch` (a GlobalBatch: sample_ids, lengths), feed the
+    timings to `recalibration`, apply them and choose the pool again. Collective. Returns the
+    line to say."""
+    started = time.perf_counter()
+    measured = []
+    for lay in planner.probe_layouts():
+        it = planner.probe_plan(index, lay, batch.sample_ids, batch.lengths)
+        if it is None:
+            continue
+        import os
+        for _ in range(int(os.environ.get("DCP_PROBE_EXTRA", "0"))):
+            t0 = time.perf_counter()
+            engine.train_iteration(it, dataset, update=False)
+            print_rank_0(f"   warm {lay} {time.perf_counter() - t0:.3f}")
+        t0 = time.perf_counter()
+        result = engine.train_iteration(it, dataset, update=False)
+        wall = time.perf_counter() - t0
+        lengths = dict(zip(batch.sample_ids, batch.lengths))
+        recalibration.measured(it, ProbeBatch(list(it.sample_ids), [lengths[i] for i in it.sample_ids]), result, wall,
+                                  probe=True)
+        recalibration.between_plans()  # the next probe is planned with what this one measured (memory too)
+        measured.append(f"{lay.tp}/{lay.cp}/{lay.pp} {1000 * recalibration.last.wall_s:.0f}/{1000 * it.predicted_time_s:.0f}")
+    planner.choose_pool_now()
+    took = time.perf_counter() - started
+    return (f"> dcp: measured {len(measured)} layouts on the first global batch before training in {took:.1f} s "
+            f"(tp/cp/pp measured/predicted ms: {', '.join(measured)}); candidate pool from the measured prices: "
+            + "; ".join(planner.describe().split(": ", 2)[-1:]))
