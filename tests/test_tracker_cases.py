@@ -91,7 +91,7 @@ def test_a_release_tracker_loads_the_release_folder_from_iteration_0(tmp_path, c
 
 @pytest.mark.parametrize("layout,needle", [
     (None, "release does not exist"),
-    ("mp_rank_00/model_optim_rng.pt", "upstream's legacy format"),
+    ("mp_rank_00/model_optim_rng.pt", "legacy format (--ckpt-format torch: 1 mp_rank_*/model_optim_rng.pt files"),
     ("something", "not a complete torch_dist checkpoint"),
 ])
 def test_a_release_tracker_without_a_readable_release_folder_is_refused(tmp_path, layout, needle):

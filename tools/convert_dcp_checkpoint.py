@@ -135,6 +135,10 @@ def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
     # iter_N, or iter_N.old where a re-save was interrupted (checkpoint_protocol.find_checkpoint)
     path = ckpt.find_checkpoint(load, iteration) or ckpt.checkpoint_dir(load, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")) or not os.path.isfile(os.path.join(path, "common.pt")):
+        legacy = ckpt.legacy_description(path)
+        if legacy:
+            raise ConversionError(f"--load {load}: {path} is {legacy}, not a --dcp checkpoint; convert it with "
+                                  f"python {ckpt.LEGACY_CONVERTER} --load {load} --save DIR")
         raise ConversionError(f"--load {load}: iteration {iteration}: {path} is missing or incomplete")
     return path, iteration
 

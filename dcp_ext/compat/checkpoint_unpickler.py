@@ -170,3 +170,74 @@ def load_torch_bytes(value: io.BytesIO, where: str):
     except Exception as e:
         _refuse_if_code(value, where, e)
         raise
+
+
+# ----------------------------------------------------------------- legacy checkpoints
+# Upstream Megatron-LM's legacy format (`--ckpt-format torch`) is one torch.save file per
+# model-parallel rank, `mp_rank_XX[_YYY]/model_optim_rng.pt`, holding the run's argparse
+# Namespace next to the tensors. megatron-core registers the types it stores with torch's
+# weights-only loader on import (argparse.Namespace, its enums, numpy RNG arrays, BytesIO);
+# what another Megatron version stored beyond that is read as an inert record, never
+# imported or called, if it is one of these plain data kinds; any other name is refused.
+LEGACY_DATA_NAMES = frozenset({
+    "argparse.Namespace",  # the run's arguments: attributes only (rebuilt without calling __init__)
+    "types.SimpleNamespace",
+    "_io.BytesIO",  # transformer-engine's `_extra_state` in older versions
+    # numpy arrays of the RNG state (`np.random.get_state()`), under numpy 1 and 2 names
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+})
+_NUMPY_DTYPE_CLASS = re.compile(r"^numpy\.dtypes\.\w+DType$")
+_MEGATRON_ENUM = re.compile(r"^megatron\.[\w.]*\benums\.\w+$")  # megatron.core.transformer.enums.AttnBackend
+
+
+class StoredRecord:
+    """What a legacy checkpoint stored of a data type this reader does not import: the
+    arguments it was rebuilt with (an enum's value) and its state. `name` is the type's
+    dotted name in the file. Nothing of the named type runs."""
+
+    name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        return f"<stored {self.name}{self.args!r}>"
+
+
+def is_legacy_data_name(name: str) -> bool:
+    """A dotted name a legacy checkpoint may hold as data (see LEGACY_DATA_NAMES)."""
+    return name in LEGACY_DATA_NAMES or bool(_NUMPY_DTYPE_CLASS.match(name) or _MEGATRON_ENUM.match(name))
+
+
+def _stand_in(name: str):
+    if name == "argparse.Namespace":
+        import argparse
+
+        return argparse.Namespace
+    return type(name.rsplit(".", 1)[-1], (StoredRecord,), {"name": name})
+
+
+def load_legacy_file(path: str):
+    """One `model_optim_rng.pt` of upstream's legacy format, as data only: torch.load with
+    weights_only=True, allowed beyond torch's and megatron-core's safe types only the data
+    names above (inert records). A file that names anything else is refused (CodeRefused)
+    before it is read; nothing in it runs."""
+    import torch
+
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip-format torch file: the load below says what it is
+        unsafe = []
+    refused = [name for name in unsafe if not is_legacy_data_name(name)]
+    if refused:
+        raise CodeRefused(path, ", ".join(refused[:3]))
+    with torch.serialization.safe_globals([(_stand_in(name), name) for name in unsafe]):
+        return load_torch_file(path)

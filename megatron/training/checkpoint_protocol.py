@@ -288,6 +288,9 @@ def _without_tracker(load: str) -> str | None:
         unfinished = sorted(n for n in os.listdir(load) if _ITER_DIR.match(n)) if os.path.isdir(load) else []
         if not unfinished:
             return None
+        legacy = legacy_refusal("--load", load, os.path.join(load, unfinished[-1]))
+        if legacy:
+            return f"{legacy} (there is no {TRACKER}: add --iteration {int(unfinished[-1][len('iter_'):])} to the conversion)"
         return (f"--load {load}: {TRACKER} is missing and {load} holds {', '.join(unfinished[-3:])} but none is a "
                 "complete checkpoint; to start from scratch point --load and --save to another directory, or remove "
                 "those folders")
@@ -299,6 +302,46 @@ def _without_tracker(load: str) -> str | None:
             f"{os.path.basename(found[newest])}); to resume from it write its iteration into the tracker "
             f"(echo {newest} > {os.path.join(load, TRACKER)}), or to start from scratch point --load and --save to "
             "another directory")
+
+
+# Upstream Megatron-LM's legacy format (`--ckpt-format torch`): one torch.save file per model-
+# parallel rank, `{iter_N|release}/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt` (tensor, pipeline and
+# expert rank; the pipeline part only with pipeline parallelism). This fork reads torch_dist only;
+# tools/convert_legacy_checkpoint.py converts the weights.
+LEGACY_FILE = "model_optim_rng.pt"
+LEGACY_CONVERTER = "tools/convert_legacy_checkpoint.py"
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def legacy_shards(folder: str) -> dict[tuple[int, int, int], str]:
+    """{(tp rank, pp rank, expert rank): its folder} of the legacy-format rank folders in `folder`."""
+    out = {}
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            m = _LEGACY_RANK_DIR.match(name)
+            if m and os.path.isdir(os.path.join(folder, name)):
+                out[tuple(int(g or 0) for g in m.groups())] = os.path.join(folder, name)
+    return out
+
+
+def legacy_description(folder: str) -> str | None:
+    """What `folder` holds when it is a legacy-format checkpoint (None otherwise)."""
+    shards = legacy_shards(folder)
+    if not any(os.path.isfile(os.path.join(d, LEGACY_FILE)) for d in shards.values()):
+        return None  # empty mp_rank_* folders: not a checkpoint of any format
+    tp, pp = 1 + max(k[0] for k in shards), 1 + max(k[1] for k in shards)
+    return (f"an upstream Megatron-LM checkpoint in its legacy format (--ckpt-format torch: {len(shards)} "
+            f"mp_rank_*/{LEGACY_FILE} files, tensor-parallel {tp}, pipeline-parallel {pp})")
+
+
+def legacy_refusal(flag: str, load: str, folder: str) -> str | None:
+    """The line refusing a legacy-format checkpoint, with the command that converts it."""
+    what = legacy_description(folder)
+    if what is None:
+        return None
+    out = load.rstrip("/") + "_torch_dist"
+    return (f"{flag} {load}: {folder} is {what}; this fork loads torch_dist checkpoints: convert its weights with "
+            f"`python {LEGACY_CONVERTER} --load {load} --save {out}`, then train with --load {out} --finetune")
 
 
 def _int_or_none(text: str) -> int | None:
@@ -317,10 +360,11 @@ def _release_dir(args) -> tuple[str, int]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{said} but {path} does not exist; point --load to the folder that holds it")
     if not is_complete(path):
-        legacy = any(n.startswith("mp_rank_") for n in os.listdir(path))
-        what = "in upstream's legacy format (mp_rank_* folders)" if legacy else "not a complete torch_dist checkpoint"
-        raise CheckpointError(f"{said} but {path} is {what}; this fork reads torch_dist checkpoints: convert it with "
-                              "upstream Megatron (--ckpt-convert-format torch_dist --ckpt-convert-save DIR)")
+        legacy = legacy_refusal("--load", args.load, path)
+        if legacy:
+            raise CheckpointError(legacy)
+        raise CheckpointError(f"{said} but {path} is not a complete torch_dist checkpoint (no metadata.json); point "
+                              "--load to a complete checkpoint")
     args.finetune = True
     print_rank_0(f"  note: {args.load} holds a release checkpoint ({TRACKER} says '{RELEASE}'): loading its weights "
                  f"from {path}; training starts at iteration 0 without its optimizer or RNG state, as upstream "
@@ -346,6 +390,9 @@ def resolve_load_dir(args) -> tuple[str, int] | None:
         return None
     path = find_checkpoint(args.load, iteration)
     if path is None:
+        legacy = legacy_refusal("--load", args.load, checkpoint_dir(args.load, iteration))
+        if legacy:
+            raise CheckpointError(legacy)
         raise CheckpointError(f"--load {args.load}: {TRACKER} names iteration {iteration} but "
                               f"{checkpoint_dir(args.load, iteration)} is missing or incomplete")
     if path.endswith(ASIDE_SUFFIX):
