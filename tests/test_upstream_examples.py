@@ -247,6 +247,9 @@ def test_dense_script_trains_on_four_cpu_ranks(name, dcp, tmp_path, data):
         assert not any(r["skipped"] for r in records) and losses[-1] < losses[0], records
     if name.startswith("gpt3") and not dcp:  # "0:2 512:4 1K:8" tokens at --seq-length 128: 2, 2, then 4 samples
         assert [r["consumed samples"] for r in records] == [2, 4, 8], records
+    if name.startswith("gpt3") and dcp:  # token budgets of 2, 2, 4 samples x 128 (documents fill them up to one short)
+        tokens = [r["tokens"] for r in records]
+        assert max(tokens[:2]) <= 256 < tokens[2] <= 512, records
     if name.startswith("qwen3"):
         assert "--sft: loss on the assistant's tokens only" in proc.stdout
         accepted = _accepted(proc.stdout)
