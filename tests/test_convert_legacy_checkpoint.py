@@ -14,6 +14,7 @@ train from the conversion with --finetune.
 import argparse
 import io
 import os
+import zlib
 
 import pytest
 
@@ -87,6 +88,9 @@ def _write_legacy(rank, world, flags, root, tp, pp, te_names):
     args, entry = _setup(flags, world, tp, pp)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = entry.model_provider(transformer_config_from_args(args), pre_process=first, post_process=last)
+    with torch.no_grad():  # trained weights: not the initial values a fresh model of this seed has at any layout
+        for name, prm in model.named_parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
     model_sd = model.state_dict_for_save_checkpoint()
     if te_names:  # a GPU run's transformer-engine layers: fused norm names, _extra_state as BytesIO
         model_sd = {_te_name(k): (io.BytesIO(b"fp8 meta") if k.endswith("_extra_state") else v)
