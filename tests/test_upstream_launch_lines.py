@@ -4,9 +4,9 @@
 example scripts pass to `pretrain_gpt.py`. A user swaps in `pretrain_gpt_dcp.py`; only what
 the machine forces may change: model and batch sizes, sample counts, and paths. The fp8 flags
 need transformer-engine on an FP8 GPU and Megatron FSDP is not wired in: on this CPU each is
-refused in one line naming it (checked here: drop the flag named, launch again, one
-iteration on one process, forked from tests/entry_runner.py's server), and the line without
-them trains, on 4 CPU ranks, as it is and with `--dcp` added; the loss falls.
+refused, all of them in one line naming each (checked here: drop the flags named, launch
+again, one iteration on one process, forked from tests/entry_runner.py's server), and the line
+without them trains, on 4 CPU ranks, as it is and with `--dcp` added; the loss falls.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SIZES = {
 }
 PATHS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path")
 # What this CPU build may refuse of those lines: fp8 (transformer-engine on an FP8 GPU) and
-# Megatron FSDP with its checkpoint format. Anything else refused is a failure.
+# Megatron FSDP with its checkpoint format, all named in one line. Anything else refused is a failure.
 MAY_REFUSE = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
               "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--fsdp-double-buffer",
               "--fsdp-manual-registration", "--use-nccl-ub", "--init-model-with-meta-device", "--ckpt-format"}
@@ -63,19 +63,22 @@ def shrink(argv: list[str], tmp: str, sizes: dict | None = None, paths=PATHS) ->
 
 
 def runnable_here(runner, argv: list[str]) -> tuple[list[str], list[str]]:
-    """Launch the line; while it is refused, the refusal must be one line naming a flag it holds:
-    drop that flag and go on. Returns the runnable line and the flags refused, in order."""
-    refused = []
-    for _ in range(len(MAY_REFUSE) + 1):
-        proc = runner.run(drop_flags(argv, "--train-samples") + ["--train-samples", "8"], timeout=300)  # 1 iteration
-        if proc.returncode == 0:
-            return argv, refused
-        assert_one_line_error(proc, "error: --")
-        flag = proc.stderr.strip().split()[1].rstrip(":")
-        assert flag in argv, proc.stderr
-        refused.append(flag)
-        argv = drop_flags(argv, flag)
-    raise AssertionError(f"still refused after dropping {refused}")
+    """Launch the line; if refused, the refusal must be one line naming every refused flag at
+    once (all of them flags the line holds): drop them, and the line must launch. Returns the
+    runnable line and the flags refused, in the order named."""
+    from tests.test_upstream_examples import refused_flags
+
+    one_iteration = ["--train-samples", "8"]
+    proc = runner.run(drop_flags(argv, "--train-samples") + one_iteration, timeout=300)
+    if proc.returncode == 0:
+        return argv, []
+    assert_one_line_error(proc, "error: ")
+    refused = refused_flags(proc.stderr)
+    assert refused and all(flag in argv for flag in refused), proc.stderr
+    argv = drop_flags(argv, *refused)
+    proc = runner.run(drop_flags(argv, "--train-samples") + one_iteration, timeout=300)
+    assert proc.returncode == 0, f"refused again after dropping {refused}: {proc.stderr[-2000:]}"
+    return argv, refused
 
 
 @pytest.fixture(scope="module")
