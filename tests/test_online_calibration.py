@@ -2,6 +2,7 @@
 the calibration checkpointed and continued on resume, `off` pinning the prices."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -87,8 +88,10 @@ def test_off_pins_the_prices(text_corpus, tmp_path):
     assert runs[0] == runs[1]  # predicted times included: nothing measured moves them
 
 
-def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path):
-    """The demo on 4 ranks with recalibration on: the pool is chosen again from the measured
+def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path, adaptive_demo):
+    """The demo on 4 ranks with recalibration on: every reserve layout is measured before
+    training (the startup calibration, which updates nothing: the first step's loss and
+    gradient norm are the uncalibrated run's), the pool is chosen again from the measured
     prices (after the 2nd recalibration), and every process group was created before the
     first iteration on every rank (tests/group_count_entry.py counts from outside); the
     re-chosen pool's plans run on groups that exist (an unregistered type has none)."""
@@ -100,6 +103,9 @@ def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path):
                   env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "group_count_entry.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "candidate pool chosen again from the measured prices" in r.stdout, r.stdout[-3000:]
+    probed = re.search(r"> dcp: measured (\d+) layouts on the first global batch before training", r.stdout)
+    assert probed and int(probed.group(1)) >= 4, r.stdout[-3000:]
+    assert "> planner over the last 5 iterations: measured" in r.stdout
     assert "memory beyond the model at rest" in r.stdout
     assert sorted(read_plan_log(plans)) == [0, 1, 2, 3, 4]
     # the loss log splits the exposed wait: each replica's measured forward+backward beside
@@ -108,6 +114,9 @@ def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path):
         by_index = {p["index"]: p for p in map(json.loads, f)}
     records = read_loss_log(log)
     assert len(records) == 5
+    first, reference = records[0], adaptive_demo.losses[0]
+    assert first["lm loss"] == pytest.approx(reference["lm loss"], rel=1e-5)
+    assert first["grad norm"] == pytest.approx(reference["grad norm"], rel=1e-4)
     for rec in records:
         plan = by_index[rec["iteration"] - 1]
         assert rec["replica_predicted_s"] == [round(r["predicted_time_s"], 6) for r in plan["replicas"]]

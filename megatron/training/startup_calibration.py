@@ -4,10 +4,11 @@ Why it exists: the candidate pool is chosen from prices, and before any measurem
 are the analytic prior's (or a profile's from another day), which can be off by several
 times and by different factors per layout (on 4 gloo ranks, 4.4x on the first iterations).
 A layout the prior misprices may then never be run, so never measured, so never chosen.
-Here, before the first iteration, every layout a pool may use runs one iteration's worth of
-the job's own first global batch (less the documents it cannot hold) on every aligned block
-of ranks at once, as training runs it (the ranks share the machine as they will), with
-pull, forward, backward and push but no optimizer update (`AdaptiveEngine.train_iteration(..., update=False)`).
+Here, before the first iteration, every layout a pool may use runs half of the job's own
+first global batch (the longest document that layout holds and every second one after it)
+on every aligned block of ranks at once, as training runs it (the ranks share the machine
+as they will), with pull, forward, backward and push but no optimizer update
+(`AdaptiveEngine.train_iteration(..., update=False)`).
 The timings go to the online calibration as a training step's do; the pool is then chosen
 again from the measured prices, and training starts from them.
 
@@ -21,6 +22,8 @@ import time
 from dataclasses import dataclass
 
 from megatron.training.initialize import print_rank_0
+
+PROBE_EVERY = 2  # of the first batch's documents a layout holds, longest first, every 2nd: half the time
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,9 @@ def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: in
     started = time.perf_counter()
     measured = []
     for lay in planner.probe_layouts():
-        it = planner.probe_plan(index, lay, batch.sample_ids, batch.lengths)
+        it = planner.probe_plan(index, lay, batch.sample_ids, batch.lengths, every=PROBE_EVERY)
         if it is None:
             continue
-        import os
-        for _ in range(int(os.environ.get("DCP_PROBE_EXTRA", "0"))):
-            t0 = time.perf_counter()
-            engine.train_iteration(it, dataset, update=False)
-            print_rank_0(f"   warm {lay} {time.perf_counter() - t0:.3f}")
         t0 = time.perf_counter()
         result = engine.train_iteration(it, dataset, update=False)
         wall = time.perf_counter() - t0

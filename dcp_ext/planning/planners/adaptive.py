@@ -51,6 +51,7 @@ from dcp_ext.planning.planners.common import (
     PlanningError,
     describe,
     expand,
+    mix_label,
     finish_replica,
     extreme_batches,
     make_type_table,
@@ -377,17 +378,20 @@ class AdaptivePlanner(PlannerBase):
         lays = self.reserve if self.rechoose_pool else sorted({l for c in self.pool.layouts for l, _ in c})
         return sorted(set(lays), key=lambda l: (l.size, l.tp, l.cp, l.pp))
 
-    def probe_plan(self, index: int, layout: Layout, sample_ids: Sequence[int],
-                   lengths: Sequence[int]) -> IterationPlan | None:
+    def probe_plan(self, index: int, layout: Layout, sample_ids: Sequence[int], lengths: Sequence[int],
+                   every: int = 1) -> IterationPlan | None:
         """The batch, less the documents `layout` cannot hold, planned on world // size
         replicas of `layout` alone (placed on its registered blocks): an iteration the startup
-        calibration runs to price `layout` on the job's own documents. None when it holds none
-        of them. The planner's state (current layout, pool) is not touched."""
+        calibration runs to price `layout` on the job's own documents. `every` k: of the
+        documents it holds, longest first, every k-th (the longest and a spread of the rest in
+        1/k of the time). None when it holds none of them. The planner's state (current layout,
+        pool) is not touched."""
         lay = Layout(*layout)
         table = self.tables.get(lay)
         if table is None:
             return None
         keep = [(int(i), int(n)) for i, n in zip(sample_ids, lengths) if 0 < int(n) <= table.max_doc]
+        keep = sorted(keep, key=lambda x: (-x[1], x[0]))[:: max(1, int(every))]
         if not keep:
             return None
         ids = [i for i, _ in keep]
@@ -566,7 +570,7 @@ class AdaptivePlanner(PlannerBase):
         if turned == self._regret_said:
             return
         self._regret_said = turned
-        mix, single = describe(self.pool.layouts[unweighted]), describe(self.pool.layouts[best])
+        mix, single = mix_label(self.pool.layouts[unweighted]), mix_label(self.pool.layouts[best])
         if turned:
             self.notes[index] = (f"no regret: mixed layouts measured x{self.mix_factor:.2f} their predicted time against "
                                  f"single layouts; {single} runs instead of {mix} (priced "

@@ -250,6 +250,14 @@ def describe(counts: Iterable[tuple[Layout, int]]) -> str:
     return "+".join(f"{n}x{lay}" for lay, n in counts)
 
 
+def mix_label(counts: Iterable[tuple[Layout, int]]) -> str:
+    """`cp2 + 2×tp1`: a mix as the log line names an iteration's layout."""
+    def one(lay: Layout) -> str:
+        return "·".join(f"{k}{v}" for k, v in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if v > 1) or "tp1"
+
+    return " + ".join(f"{n}×{one(lay)}" if n > 1 else one(lay) for lay, n in counts)
+
+
 # ---------------------------------------------------------------------------- packing
 @dataclass
 class PackedReplica:
