@@ -309,6 +309,7 @@ def _yaml_only_parser() -> argparse.ArgumentParser:
 
 def fill_derived(args: argparse.Namespace) -> None:
     """Megatron's derived defaults."""
+    loop_flags.check_batch_schedule(args)  # its final size is --global-batch-size, before the default below
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.tokenizer_type is None and (args.vocab_file or args.merge_file):

@@ -118,7 +118,7 @@ class BatchSchedule:
 
 def from_args(args) -> BatchSchedule | None:
     """The parsed schedule of --step-batch-size-schedule (args.batch_schedule), or None."""
-    return getattr(args, "batch_schedule", None)
+    return args.batch_schedule
 
 
 def batch_size_of_iteration(args, k: int) -> int:

@@ -86,8 +86,7 @@ def add_loop_flags(p: argparse.ArgumentParser) -> None:
 
 def check_schedule_forms(args) -> None:
     """Before derived values: the sample and iteration forms of the schedule exclude each other
-    (upstream's rule), and the sample counts are in range; the batch-size schedule parses."""
-    check_batch_schedule(args)
+    (upstream's rule), and the sample counts are in range."""
     for name in ("train_samples", "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples",
                  "manual_gc_interval", "profile_step_start", "profile_step_end"):
         value = getattr(args, name)
@@ -118,13 +117,15 @@ def check_schedule_forms(args) -> None:
 def check_batch_schedule(args) -> None:
     """--step-batch-size-schedule: parsed into `args.batch_schedule` (None without it); its final
     size becomes --global-batch-size (the evaluation batch, and an iteration's samples for the LR
-    schedule of --train-iters), which a user may also give when it is that size."""
+    schedule of --train-iters), which a user may also give when it is that size. First thing of
+    `arguments.fill_derived` (before --global-batch-size's default)."""
     from megatron.training.batch_schedule import BatchSchedule, ScheduleError, parse
 
     args.batch_schedule = None
     if args.step_batch_size_schedule is None or not args.seq_length:
         return
-    text = " ".join(args.step_batch_size_schedule)
+    value = args.step_batch_size_schedule
+    text = value if isinstance(value, str) else " ".join(value)  # words as typed, or a string (stored args)
     try:
         schedule = BatchSchedule(parse(text, args.seq_length))
     except ScheduleError as e:
@@ -147,7 +148,7 @@ def fill_loop_derived(args) -> None:
     schedule the LR schedule always counts samples, as upstream's: a step is the iteration's
     batch size (the loops pass it), --lr-decay-iters/--lr-warmup-iters count --global-batch-size
     (the final size) per iteration."""
-    schedule = getattr(args, "batch_schedule", None)
+    schedule = args.batch_schedule
     args.lr_schedule_in_samples = args.train_samples is not None or schedule is not None
     args.lr_step_increment = 1
     if args.train_samples is not None and args.global_batch_size:
@@ -190,7 +191,7 @@ def refusals(args) -> list:
 
 def validate_loop_flags(args) -> None:
     """The loop and checkpoint flags' relations; one line naming the fix."""
-    schedule = getattr(args, "batch_schedule", None)
+    schedule = args.batch_schedule
     if schedule is not None and not args.dcp:
         step = args.micro_batch_size * args.data_parallel_size
         bad = [size for size in schedule.sizes if size % step]
