@@ -77,6 +77,13 @@ CASES = [
     Case("missing-required-lr", ["--drop", "--lr"], "--lr is required", code=2),
     Case("ckpt-format-not-written", ["--ckpt-format", "torch"], "this fork writes and reads torch_dist", code=2),
     Case("no-data-path", ["--drop", "--data-path"], "--data-path is required", code=2),
+    # every refused flag of a line at once (upstream's scripts: older Megatron-LM's flags, FSDP, MoE)
+    Case("refused-flags-said-at-once", ["--use-megatron-fsdp", "--DDP-impl", "torch", "--num-experts", "8",
+                                        "--no-such-flag"],
+         "4 flags are refused here (--DDP-impl, --no-such-flag, --use-megatron-fsdp, --num-experts)", code=2),
+    Case("batch-schedule-vs-global-batch", ["--step-batch-size-schedule", "0:2", "512:8"],
+         "--global-batch-size 4 differs from --step-batch-size-schedule's final size 8", code=2),
+    Case("sft-without-loss-mask", ["--sft"], "has no SFT loss mask", code=2),
     # layouts
     Case("world-not-divisible", ["--tensor-model-parallel-size", "2"], "world size 1 is not divisible by tp*pp*cp",
          code=2),
