@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Callable
 
 import numpy as np
@@ -131,10 +132,36 @@ def cluster_spec(name: str) -> ClusterSpec:
     return _spec(ClusterSpec, name, "--cluster")
 
 
-def batches(args, lengths: np.ndarray) -> list[list[int]]:
+def batches(args, lengths: np.ndarray, prog: str | None = None) -> list[list[int]]:
+    """The run's global batches; with `prog`, every shortfall of the work asked for is said on
+    stderr, one line each (`shortfalls`)."""
     if args.start >= len(lengths):
         raise CLIError(f"--start {args.start} is past the end of {args.lengths} ({len(lengths)} lengths)")
     out = global_batches(lengths.tolist(), args.global_batch_tokens, args.max_seq_len, count=args.iterations, start=args.start)
     if not out:
         raise CLIError(f"no global batch in {args.lengths} from --start {args.start}", 1)
+    if prog:
+        for line in shortfalls(args, lengths, out):
+            print(f"{prog}: {line}", file=sys.stderr, flush=True)
     return out
+
+
+def shortfalls(args, lengths: np.ndarray, out: list[list[int]]) -> list[str]:
+    """What the batches `out` do less than the flags ask: fewer iterations than --iterations
+    (the file ends), a last batch cut short by the file's end, documents cut to --max-seq-len."""
+    lines = []
+    gbt, msl = args.global_batch_tokens, args.max_seq_len
+    ends = out[-1][-1] == len(lengths) - 1  # the batches reach the file's last line
+    last = int(np.minimum(lengths[out[-1]], msl).sum())
+    if len(out) < args.iterations or (ends and last < gbt):
+        held = float(np.minimum(lengths[args.start:], msl).sum()) / gbt
+        what = (f"--iterations {args.iterations}: {args.lengths} holds {held:.1f} global batches of {gbt} tokens from "
+                f"--start {args.start}" if len(out) < args.iterations else f"{args.lengths} ends in iteration {len(out) - 1}")
+        lines.append(f"{what}; running {len(out)}, the last one {last} tokens ({100 * last / gbt:.0f}% of a batch)")
+    ids = np.concatenate([np.asarray(b) for b in out])
+    long = lengths[ids] > msl
+    if long.any():
+        cut = float((lengths[ids][long] - msl).sum())
+        lines.append(f"{int(long.sum())} of {len(ids)} documents in these batches are longer than --max-seq-len {msl} "
+                     f"and are cut to it: {100 * cut / float(lengths[ids].sum()):.1f}% of their tokens are not planned")
+    return lines

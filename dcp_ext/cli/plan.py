@@ -42,7 +42,7 @@ def _main(argv: list[str] | None) -> int:
                            profile=args.profile, memory_margin=args.memory_margin, seed=args.seed,
                            progress=not args.quiet, **planner_options(args.planner, args))
     plan = Plan(cluster=cluster.to_json(), model=model.to_json())
-    bs = batches(args, lengths)
+    bs = batches(args, lengths, "dcp-plan")
     times = []
     with Progress(f"dcp-plan {args.planner}", total=len(bs), unit="it", enabled=not args.quiet) as bar:
         for i, ids in enumerate(bs):

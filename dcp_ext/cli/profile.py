@@ -6,8 +6,15 @@ models built by `dcp_ext.runtime.stages.model`, run by the runtime's `StageRunne
 process groups) over `dcp_ext.planning.profile.profile_grid`'s document lengths and layouts, then
 fits and saves the profile that `--dcp-cost-profile` / `dcp-plan --profile` read.
 
-    dcp-profile --yaml-cfg examples/cpu_demo.yaml --out cache/profile-demo.json
+    dcp-profile --yaml-cfg examples/cpu_demo.yaml --out cache/profile-demo.json          # full grid
+    dcp-profile --quick --yaml-cfg examples/cpu_demo.yaml --out cache/profile-demo.json  # a first look
     dcp-profile --layouts tp1cp1pp1,tp2cp1pp1 --points 6 --repeats 5 <Megatron model flags>
+
+The grid's defaults (`FULL`: 6 lengths x 3 packings x 2 recompute settings per layout, 1 warm-up
++ 5 timed runs each: 864 runs for the demo on 2 cores, 13 min on a busy machine) or, with
+`--quick` (`QUICK`: 3 lengths x 2 packings, 1 warm-up + 1 timed: 96 runs, under 2 min there), a
+rough profile for a first look; a flag given explicitly wins over either. The first line says
+how many runs are planned and what the analytic cost model expects them to take.
 
 How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL):
   * ranks are spawned for the largest layout only; layouts are timed one at a time on
@@ -276,10 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "the profile is for")
     p.add_argument("--max-seq-len", type=int, default=None, help="longest micro-batch in the grid (default --dcp-max-seq-len)")
     p.add_argument("--min-seq-len", type=int, default=32)
-    p.add_argument("--points", type=int, default=6, help="micro-batch lengths per layout, geometric from --min-seq-len")
-    p.add_argument("--docs-per-pack", default="1,2,4", help="documents packed per micro-batch (equal lengths)")
+    p.add_argument("--quick", action="store_true",
+                   help="a rough profile in under 2 minutes on the demo (2 cores): --points 3 --docs-per-pack 1,4 "
+                        "--repeats 1; flags given explicitly win")
+    p.add_argument("--points", type=int, default=None,
+                   help="micro-batch lengths per layout, geometric from --min-seq-len (default 6; --quick 3)")
+    p.add_argument("--docs-per-pack", default=None,
+                   help="documents packed per micro-batch (equal lengths; default 1,2,4; --quick 1,4)")
     p.add_argument("--recompute", default="none,full", help="none, full or both (comma separated)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per point")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (default 5; --quick 1)")
     p.add_argument("--statistic", choices=["median", "min"], default="median",
                    help="what a record keeps of its repeats: the median (default), or the fastest (what the machine "
                         "does without other load, for a shared machine)")
@@ -296,6 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The grid's size: the full default, and --quick's (a first look on a laptop)
+FULL = {"points": 6, "docs_per_pack": "1,2,4", "repeats": 5}
+QUICK = {"points": 3, "docs_per_pack": "1,4", "repeats": 1}
+
+
+def fill_grid_defaults(ours) -> None:
+    """--quick's or the full grid's values for the grid flags not given explicitly."""
+    for dest, value in (QUICK if ours.quick else FULL).items():
+        if getattr(ours, dest) is None:
+            setattr(ours, dest, value)
+
+
 # Bad flags end in SystemExit(message), as parse_layouts always did: the tool's boundary
 # (dcp_ext.cli.boundary.run_tool) says the message in one `error:` line, exit 2.
 _AT_LEAST = (("--nproc", "nproc", 1), ("--points", "points", 1), ("--repeats", "repeats", 1),
@@ -305,6 +329,7 @@ _AT_LEAST = (("--nproc", "nproc", 1), ("--points", "points", 1), ("--repeats", "
 
 def check_flags(ours) -> None:
     """Our own flags' ranges and spellings, before anything is parsed, built or started."""
+    fill_grid_defaults(ours)
     for flag, dest, low in _AT_LEAST:
         value = getattr(ours, dest)
         if value is not None and value < low:
@@ -406,8 +431,10 @@ def grid(ours, cm, layouts, max_len: int) -> list[dict]:
                         docs_per_pack=docs_per_pack(ours), min_len=ours.min_seq_len)
 
 
-def summarize(profile, timings: list[Timing], out=sys.stdout) -> None:
+def summarize(profile, timings: list[Timing], out=None) -> None:
     from dcp_ext.planning.profile import evaluate_profile, fit_profile, split_holdout
+
+    out = out or sys.stdout  # the stream of the call, not of the import
 
     spreads = [t.spread for t in timings]
     print(f"{len(profile.records)} records, {len(profile.fits)} strategies; repeat spread (IQR/median): "
@@ -437,6 +464,18 @@ def records(timings: list[Timing], num_layers: int, statistic: str | None = None
             for t in timings]
 
 
+def estimate_s(st: Setup, points: list[dict]) -> float:
+    """Seconds the analytic cost model gives the planned runs (each point once per warm-up and
+    timed round, one micro-batch alone on its replica)."""
+    from dcp_ext.planning.cost_model import Layout
+
+    total = 0.0
+    for p in points:
+        lay = Layout(p["tp"], p["cp"], p["pp"])
+        total += st.timed.mb_replica_time(p["lengths"], lay, st.timed.stage_recompute(lay, p["recompute_layers"]))
+    return total * (st.ours.warmup + st.ours.repeats)
+
+
 def run_profile(st: Setup):
     """Time the grid, fit, save. Returns (Profile, Timings)."""
     from dcp_ext.planning.profile import fit_profile
@@ -448,10 +487,15 @@ def run_profile(st: Setup):
         raise SystemExit("the grid is empty: no micro-batch of --min-seq-len..--max-seq-len fits the layouts' "
                          "context parallelism; raise --min-seq-len or choose other --layouts")
     if not ours.quiet:
+        runs = len(points) * (ours.warmup + ours.repeats)
         print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
               f"{st.spec.hidden_size}), {st.cluster.name}, layouts "
               f"{', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; {len(points)} micro-batches x "
-              f"({ours.warmup} warm-up + {ours.repeats} timed)", file=sys.stderr, flush=True)
+              f"({ours.warmup} warm-up + {ours.repeats} timed) = {runs} runs"
+              f"{' (--quick: a rough profile)' if ours.quick else ''}", file=sys.stderr)
+        print(f"dcp-profile: the analytic cost model expects about {estimate_s(st, points):.0f} s of runs after the "
+              "ranks start; a busy machine takes longer (the progress line's eta follows the measured rate)",
+              file=sys.stderr, flush=True)
     timings = time_points(job_for(st, points))
     profile = fit_profile(records(timings, args.num_layers), model=st.spec.to_json(), cluster=st.cluster.to_json())
     with writing("--out", ours.out, "the profile"):

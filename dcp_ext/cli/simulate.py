@@ -37,7 +37,7 @@ def run(args) -> dict:
             raise CLIError(f"--planners: unknown planner {n!r}; choose from {', '.join(PLANNERS)}")
     if not names:
         raise CLIError(f"--planners is empty; choose from {', '.join(PLANNERS)}")
-    bs = batches(args, lengths)
+    bs = batches(args, lengths, "dcp-simulate")
     cm = CostModel(model, cluster, None, args.memory_margin)
     results: dict = {"model": model.name, "cluster": cluster.name, "iterations": len(bs),
                      "global_batch_tokens": args.global_batch_tokens, "max_seq_len": args.max_seq_len,
@@ -136,7 +136,13 @@ def run(args) -> dict:
         from dcp_ext.planning.timeline import render_timeline
 
         tl = args.timeline_planner if args.timeline_planner in plans else next(iter(plans))
+        if tl != args.timeline_planner:
+            print(f"dcp-simulate: --timeline-planner {args.timeline_planner} was not run (or could not plan); the "
+                  f"timeline draws {tl}", file=sys.stderr)
         k = min(args.timeline_iteration, len(bs) - 1)
+        if k != args.timeline_iteration:
+            print(f"dcp-simulate: --timeline-iteration {args.timeline_iteration} is past the {len(bs)} iterations run; "
+                  f"the timeline draws iteration {k}", file=sys.stderr)
         ids = bs[k]
         with writing("--timeline", args.timeline, "the image"):
             render_timeline(cm, plans[tl][k], dict(zip(ids, truncated[ids].tolist())), args.timeline,

@@ -194,6 +194,11 @@ def run(args, part: tuple[int, int] | None = None) -> dict[str, str]:
         raise CLIError(f"--partitions {args.partitions} must be >= 1")
     if args.workers < 1:
         raise CLIError(f"--workers {args.workers} must be >= 1")
+    if args.sft and part is None:
+        print(f"{PROG}: --sft writes one dataset, {args.output_prefix}_sft_document (.bin/.idx, with its loss mask "
+              f"{args.output_prefix}_sft_document_loss_mask), from the prompt/response or chat messages of each line"
+              + (f"; --json-keys {' '.join(args.json_keys)} is not used" if args.json_keys != ["text"] else ""),
+              file=sys.stderr, flush=True)
     if args.partitions > 1 and part is None:
         from dcp_ext.data.preprocess_partitions import run_partitions
 
@@ -257,6 +262,10 @@ def report(writers: dict, prefixes: dict) -> None:
     for k, w in writers.items():
         print(f"{PROG}: wrote {w.num_documents} documents, {w.num_tokens} tokens to {prefixes[k]}.bin/.idx",
               file=sys.stderr)
+    sft = "sft" in prefixes
+    print(f"{PROG}: train on it with --data-path {' '.join(prefixes.values())}"
+          + (" (the loss mask beside it is read too: only the responses are trained)" if sft else ""),
+          file=sys.stderr)
 
 
 def output_meta(args, tokenizer) -> dict:

@@ -10,6 +10,8 @@ import time
 
 
 def _human(n: float) -> str:
+    if 0 < abs(n) < 10 and n != int(n):
+        return f"{n:.1f}" if abs(n) >= 0.1 else f"{n:.2f}"  # a rate below 1/s is not "0"
     for unit in ("", "K", "M", "G", "T"):
         if abs(n) < 1000:
             return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"

@@ -26,13 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data-path", nargs="+", help="Megatron blend syntax: prefix, or w1 p1 w2 p2 ...")
     src.add_argument("--lengths-file", help="one token count a line")
     src.add_argument("--demo", action="store_true", help="the demo corpus (built if needed)")
-    p.add_argument("--data-cache-path", default="cache", help="where --demo builds its corpus")
+    p.add_argument("--data-cache-path", default="cache", help="where --demo builds its corpus (said in a line)")
     p.add_argument("--seq-length", type=int, default=4096, help="Megatron's fixed sample length")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="truncation for the variable-length path (default: --seq-length)")
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes to report")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8], help="tensor-parallel sizes (sequence parallel)")
-    p.add_argument("--png", default=None, help="histogram image (default: dataset_stats.png in the cwd)")
+    p.add_argument("--png", default=None, help="draw the histogram into this PNG (default: no image)")
     p.add_argument("--json", default=None, help="also write the figures as JSON here")
     return p
 
@@ -46,6 +46,7 @@ def load_lengths(args) -> tuple[np.ndarray, str]:
         from dcp_ext.data.demo_corpus import ensure_demo_corpus
 
         prefixes = [ensure_demo_corpus(args.data_cache_path)]
+        print(f"demo corpus: {os.path.abspath(prefixes[0])} (--data-cache-path {args.data_cache_path})")
     else:
         from dcp_ext.data.documents import parse_blend
 
@@ -122,20 +123,24 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.cp + args.tp) < 1 or args.seq_length < 1 or (args.max_seq_len is not None and args.max_seq_len < 1):
         raise CLIError("--cp, --tp, --seq-length and --max-seq-len must be >= 1")
-    png = args.png or "dataset_stats.png"
-    check_output("--png", png)  # before reading the dataset, not after
+    png = args.png
+    if png:
+        check_output("--png", png)  # before reading the dataset, not after
     if args.json:
         check_output("--json", args.json)
     lengths, name = load_lengths(args)
     max_seq_len = args.max_seq_len or args.seq_length
     text, figures = report(lengths, name, args.seq_length, max_seq_len, args.cp, args.tp)
     print(text)
-    try:
-        with writing("--png", png, "the histogram image"):
-            plot(lengths, png, name)
-        print(f"\nhistogram image: {png}")
-    except ImportError:
-        print("\nno histogram image: `pip install matplotlib` for one")
+    if not png:
+        print("\nno histogram image (pass --png FILE for one)")
+    else:
+        try:
+            with writing("--png", png, "the histogram image"):
+                plot(lengths, png, name)
+            print(f"\nhistogram image: {os.path.abspath(png)}")
+        except ImportError:
+            print("\nno histogram image: `pip install matplotlib` for one")
     if args.json:
         with writing("--json", args.json, "the figures"), open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -344,13 +344,23 @@ def build_pool(
     return Pool(pool, types, times[sel] if len(times) else times, found)
 
 
-def stderr_progress(desc: str) -> Callable[[int, int], None]:
+def stderr_progress(desc: str, interval_s: float = 5.0) -> Callable[[int, int], None]:
+    """A progress callback on stderr: one redrawn line on a terminal; in a log (not a TTY) a
+    plain line at most every `interval_s` seconds and at the end, so lines never run together."""
+    import time
+
+    tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    last = [-float("inf")]
+
     def cb(k: int, n: int) -> None:
         width = 24
         done = int(width * k / max(n, 1))
-        sys.stderr.write(f"\r{desc}: [{'#' * done}{'-' * (width - done)}] {k}/{n}")
-        if k >= n:
-            sys.stderr.write("\n")
+        line = f"{desc}: [{'#' * done}{'-' * (width - done)}] {k}/{n}"
+        if tty:
+            sys.stderr.write("\r" + line + ("\n" if k >= n else ""))
+        elif k >= n or time.monotonic() - last[0] >= interval_s:
+            last[0] = time.monotonic()
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
     return cb
