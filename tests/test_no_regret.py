@@ -42,8 +42,9 @@ def test_mix_factor_is_mixed_over_single_and_neutral_until_both_are_measured():
     assert calibrated(steps(0.9, 1.0)).mix_factor == pytest.approx(0.9)
     assert calibrated(steps(1.5, 1.0, RATIO_MIN - 1)).mix_factor == 1.0  # too few of each
     # probes (mixed None) never count, however slow against their prediction
-    probes = [Observation(i, [], [], 0.0, 0.0, None, 0.0) for i in range(8)]
+    probes = [Observation(i, [], [], 0.0, 0.0, None, 0.0, True) for i in range(8)]
     assert calibrated(probes + steps(1.0, 1.0)).mix_factor == 1.0
+    assert calibrated([Observation(0, [], [], 5.0, 0.0, None, 0.0, True)]).outside_s == 0.0  # nor their time outside
     assert calibrated(steps(9.0, 1.0)).mix_factor == 2.0  # bounded
 
 

@@ -67,9 +67,10 @@ class Observation:
     outside_s: float  # iteration wall time minus its slowest replica's
     memory_excess: float = 0.0  # bytes: the most any rank held above its replica's predicted peak
     # a training step's measured wall time over the time its plan predicted, and whether the plan
-    # mixed layouts (None: not a training step, e.g. the startup calibration's probes)
+    # mixed layouts (None: unknown, a step of a checkpoint from before)
     mixed: bool | None = None
     wall_ratio: float = 0.0
+    probe: bool = False  # a step of the startup calibration (no update: its time outside replicas is not a step's)
 
 
 def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[Sequence[float]],
@@ -98,7 +99,7 @@ def observe(it: IterationPlan, lengths_of: dict[int, int], mb_seconds: Sequence[
     slowest = max((float(x) for x in replica_s), default=0.0)
     mixed = None if probe or it.predicted_time_s <= 0 else len({(r.tp, r.cp, r.pp) for r in it.replicas}) > 1
     return Observation(int(it.index), mbs, syncs, max(0.0, float(wall_s) - slowest), max(0.0, float(memory_excess)),
-                       mixed, float(wall_s) / it.predicted_time_s if mixed is not None else 0.0)
+                       mixed, float(wall_s) / it.predicted_time_s if mixed is not None else 0.0, bool(probe))
 
 
 # ----------------------------------------------------------------------------- the fit
@@ -213,8 +214,9 @@ class Calibration:
                 self.micro_batches.setdefault((s.layout, s.rs), deque(maxlen=self.window)).append(s)
             for s in obs.syncs:
                 self.syncs.setdefault(s.layout, deque(maxlen=self.window)).append(s)
-            self.outside.append(obs.outside_s)
-            if obs.mixed is not None and obs.wall_ratio > 0:
+            if not obs.probe:
+                self.outside.append(obs.outside_s)
+            if obs.mixed is not None and obs.wall_ratio > 0 and not obs.probe:
                 self.wall_ratios[bool(obs.mixed)].append(float(obs.wall_ratio))
             self.memory_excess = max(self.memory_excess, float(obs.memory_excess))
             self.applied_through = obs.iteration
@@ -299,7 +301,7 @@ class Calibration:
         def obs(o):
             return {"iteration": o.iteration, "micro_batches": [mb(s) for s in o.micro_batches],
                     "syncs": [[list(s.layout), s.num_replicas, s.seconds] for s in o.syncs], "outside_s": o.outside_s,
-                    "memory_excess": o.memory_excess, "mixed": o.mixed, "wall_ratio": o.wall_ratio}
+                    "memory_excess": o.memory_excess, "mixed": o.mixed, "wall_ratio": o.wall_ratio, "probe": o.probe}
 
         return {"window": self.window, "applied_through": self.applied_through,
                 "micro_batches": [mb(s) for key in sorted(self.micro_batches) for s in self.micro_batches[key]],
@@ -329,7 +331,8 @@ class Calibration:
         self.applied_through = state.get("applied_through")
         self.pending = [Observation(int(o["iteration"]), [mb(v) for v in o["micro_batches"]],
                                     [sync(v) for v in o["syncs"]], float(o["outside_s"]),
-                                    float(o.get("memory_excess", 0.0)), o.get("mixed"), float(o.get("wall_ratio", 0.0)))
+                                    float(o.get("memory_excess", 0.0)), o.get("mixed"), float(o.get("wall_ratio", 0.0)),
+                                    bool(o.get("probe", False)))
                         for o in state.get("pending", [])]
         self.memory_reserve = float(state.get("memory_reserve", 0.0))
         self.memory_excess = float(state.get("memory_excess", 0.0))
