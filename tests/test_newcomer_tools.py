@@ -75,6 +75,14 @@ def test_progress_in_a_log_is_plain_rate_limited_lines(monkeypatch):
                                  "adaptive: candidate layouts: [########################] 19/19"]
 
 
+def test_quick_warm_up_runs_each_layouts_first_point_once():
+    from dcp_ext.cli.profile import Job, warmup_order
+
+    points = [{"tp": t, "cp": 1, "pp": 1, "lengths": [n]} for t in (1, 2) for n in (32, 256)]
+    assert warmup_order(Job(None, points, warmup_points="one")) == [0, 2]
+    assert warmup_order(Job(None, points)) == [0, 1, 2, 3]
+
+
 def test_progress_shows_a_slow_rate_as_a_fraction():
     from dcp_ext.data.progress import _human
 
@@ -169,9 +177,9 @@ def _profile_argv(*extra):
 
 
 @pytest.mark.parametrize("extra,points,runs", [
-    (["--quick"], 24, 48),  # 2 layouts x 2 recompute x 3 lengths x 2 packings, 1 warm-up + 1 timed
-    (["--quick", "--repeats", "3"], 24, 96),  # an explicit flag wins over --quick's
-    ([], 72, 432),  # the full grid: 6 lengths x 3 packings, 1 + 5 runs
+    (["--quick"], 24, 26),  # 2 layouts x 2 recompute x 3 lengths x 2 packings, 1 timed; 1 warm-up run per layout
+    (["--quick", "--repeats", "3", "--warmup-points", "all"], 24, 96),  # explicit flags win over --quick's
+    ([], 72, 432),  # the full grid: 6 lengths x 3 packings, 1 warm-up + 5 timed runs each
 ])
 def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypatch, extra, points, runs):
     from dcp_ext.cli import profile
@@ -180,7 +188,7 @@ def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypa
     seen = {}
 
     def fake_time_points(job):  # no ranks: what would be timed
-        seen["points"], seen["runs"] = len(job.points), len(job.points) * (job.warmup + job.repeats)
+        seen["points"], seen["runs"] = len(job.points), profile.planned_runs(job)
         return [profile.Timing(p, samples=[0.01 * (1 + sum(p["lengths"]) / 1000)] * job.repeats) for p in job.points]
 
     monkeypatch.setattr(profile, "time_points", fake_time_points)
@@ -189,5 +197,6 @@ def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypa
     assert seen == {"points": points, "runs": runs}
     err = capsys.readouterr().err.splitlines()
     assert err[0].endswith(f"= {runs} runs" + (" (--quick: a rough profile)" if extra else ""))
+    assert ("of 2 (one per layout)" in err[0]) == (extra == ["--quick"])
     assert err[1].startswith("dcp-profile: the analytic cost model expects about ") and " s of runs" in err[1]
     assert out.is_file()

@@ -12,8 +12,9 @@ fits and saves the profile that `--dcp-cost-profile` / `dcp-plan --profile` read
 
 The grid's defaults (`FULL`: 6 lengths x 3 packings x 2 recompute settings per layout, 1 warm-up
 + 5 timed runs each: 864 runs for the demo on 2 cores, 13 min on a busy machine) or, with
-`--quick` (`QUICK`: 3 lengths x 2 packings, 1 warm-up + 1 timed: 96 runs, under 2 min there), a
-rough profile for a first look; a flag given explicitly wins over either. The first line says
+`--quick` (`QUICK`: 3 lengths x 2 packings, 1 timed run each after one warm-up run per layout:
+52 runs, about a minute there), a rough profile for a first look; a flag given explicitly wins
+over either. The first line says
 how many runs are planned and what the analytic cost model expects them to take.
 
 How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL):
@@ -79,6 +80,7 @@ class Job:
     desc: str = "dcp-profile"
     statistic: str = "median"  # of the repeats: "median", or "min" (the machine with no other load)
     transformer_config: Callable | None = None  # TrainingSide.transformer_config
+    warmup_points: str = "all"  # what a warm-up pass runs: every point, or "one" per layout (its first)
 
 
 @dataclass
@@ -219,10 +221,11 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
             stages[lay] = _stage(rank, rep, registry, job, [i for i, l in enumerate(layout_of) if l == lay], device)
     n = len(job.points)
     order_rng = np.random.default_rng(job.seed)
-    rounds = [(-1 - w, list(range(n))) for w in range(job.warmup)]
+    rounds = [(-1 - w, warmup_order(job)) for w in range(job.warmup)]
     rounds += [(r, order_rng.permutation(n).tolist()) for r in range(job.repeats)]
     spans: list[list] = []
-    with Progress(job.desc, total=n * len(rounds), unit="run", enabled=job.progress and rank == 0) as bar:
+    with Progress(job.desc, total=sum(len(order) for _, order in rounds), unit="run",
+                  enabled=job.progress and rank == 0) as bar:
         for r, order in rounds:
             for i in order:
                 stage = stages.get(layout_of[i])
@@ -241,6 +244,17 @@ def _measure(rank: int, world: int, job: Job) -> list[list]:
                         spans.append([i, r, t0, t1])
                 bar.update(1, extra="warm-up" if r < 0 else f"round {r + 1}/{job.repeats}")
     return spans
+
+
+def warmup_order(job: Job) -> list[int]:
+    """The points a warm-up pass runs: all of them, or the first of each layout (what a layout
+    pays once: its first collectives, lazy initialisation)."""
+    if job.warmup_points == "all":
+        return list(range(len(job.points)))
+    first = {}
+    for i, p in enumerate(job.points):
+        first.setdefault((p["tp"], p["cp"], p["pp"]), i)
+    return sorted(first.values())
 
 
 def _free_port() -> int:
@@ -284,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None, help="longest micro-batch in the grid (default --dcp-max-seq-len)")
     p.add_argument("--min-seq-len", type=int, default=32)
     p.add_argument("--quick", action="store_true",
-                   help="a rough profile in under 2 minutes on the demo (2 cores): --points 3 --docs-per-pack 1,4 "
-                        "--repeats 1; flags given explicitly win")
+                   help="a rough profile in about a minute on the demo (2 cores): --points 3 --docs-per-pack 1,4 "
+                        "--repeats 1 --warmup-points one; flags given explicitly win")
     p.add_argument("--points", type=int, default=None,
                    help="micro-batch lengths per layout, geometric from --min-seq-len (default 6; --quick 3)")
     p.add_argument("--docs-per-pack", default=None,
@@ -296,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a record keeps of its repeats: the median (default), or the fastest (what the machine "
                         "does without other load, for a shared machine)")
     p.add_argument("--warmup", type=int, default=1, help="untimed passes over each layout's points first")
+    p.add_argument("--warmup-points", choices=["all", "one"], default=None,
+                   help="what a warm-up pass runs: every point (default) or one per layout (--quick)")
     p.add_argument("--layouts", default=None,
                    help="e.g. tp1cp1pp1,tp2cp1pp1,tp1cp2pp1,tp1cp1pp2 (default: every valid layout of at most "
                         "min(nproc, cores) ranks)")
@@ -309,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The grid's size: the full default, and --quick's (a first look on a laptop)
-FULL = {"points": 6, "docs_per_pack": "1,2,4", "repeats": 5}
-QUICK = {"points": 3, "docs_per_pack": "1,4", "repeats": 1}
+FULL = {"points": 6, "docs_per_pack": "1,2,4", "repeats": 5, "warmup_points": "all"}
+QUICK = {"points": 3, "docs_per_pack": "1,4", "repeats": 1, "warmup_points": "one"}
 
 
 def fill_grid_defaults(ours) -> None:
@@ -452,7 +468,7 @@ def summarize(profile, timings: list[Timing], out=None) -> None:
 def job_for(st: Setup, points: list[dict], desc: str = "dcp-profile", seed_offset: int = 0) -> Job:
     o = st.ours
     return Job(st.args, points, o.repeats, o.warmup, o.seed + seed_offset, st.cuda, o.threads, not o.quiet, desc,
-               o.statistic, st.side.transformer_config)
+               o.statistic, st.side.transformer_config, warmup_points=o.warmup_points)
 
 
 def records(timings: list[Timing], num_layers: int, statistic: str | None = None) -> list:
@@ -464,16 +480,21 @@ def records(timings: list[Timing], num_layers: int, statistic: str | None = None
             for t in timings]
 
 
-def estimate_s(st: Setup, points: list[dict]) -> float:
-    """Seconds the analytic cost model gives the planned runs (each point once per warm-up and
-    timed round, one micro-batch alone on its replica)."""
+def planned_runs(job: Job) -> int:
+    return len(job.points) * job.repeats + len(warmup_order(job)) * job.warmup
+
+
+def estimate_s(st: Setup, job: Job) -> float:
+    """Seconds the analytic cost model gives the planned runs (one micro-batch alone on its
+    replica, per warm-up and timed round that runs it)."""
     from dcp_ext.planning.cost_model import Layout
 
-    total = 0.0
-    for p in points:
+    def price(p):
         lay = Layout(p["tp"], p["cp"], p["pp"])
-        total += st.timed.mb_replica_time(p["lengths"], lay, st.timed.stage_recompute(lay, p["recompute_layers"]))
-    return total * (st.ours.warmup + st.ours.repeats)
+        return st.timed.mb_replica_time(p["lengths"], lay, st.timed.stage_recompute(lay, p["recompute_layers"]))
+
+    return (job.repeats * sum(price(p) for p in job.points)
+            + job.warmup * sum(price(job.points[i]) for i in warmup_order(job)))
 
 
 def run_profile(st: Setup):
@@ -486,17 +507,19 @@ def run_profile(st: Setup):
     if not points:
         raise SystemExit("the grid is empty: no micro-batch of --min-seq-len..--max-seq-len fits the layouts' "
                          "context parallelism; raise --min-seq-len or choose other --layouts")
+    job = job_for(st, points)
     if not ours.quiet:
-        runs = len(points) * (ours.warmup + ours.repeats)
+        warm = len(warmup_order(job))
         print(f"dcp-profile: model {st.spec.name} ({args.num_layers} of {st.spec.num_layers} layers timed, hidden "
               f"{st.spec.hidden_size}), {st.cluster.name}, layouts "
               f"{', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in st.layouts)}; {len(points)} micro-batches x "
-              f"({ours.warmup} warm-up + {ours.repeats} timed) = {runs} runs"
+              f"{ours.repeats} timed + {ours.warmup} warm-up pass{'es' if ours.warmup != 1 else ''} of "
+              f"{'every one' if warm == len(points) else f'{warm} (one per layout)'} = {planned_runs(job)} runs"
               f"{' (--quick: a rough profile)' if ours.quick else ''}", file=sys.stderr)
-        print(f"dcp-profile: the analytic cost model expects about {estimate_s(st, points):.0f} s of runs after the "
+        print(f"dcp-profile: the analytic cost model expects about {estimate_s(st, job):.0f} s of runs after the "
               "ranks start; a busy machine takes longer (the progress line's eta follows the measured rate)",
               file=sys.stderr, flush=True)
-    timings = time_points(job_for(st, points))
+    timings = time_points(job)
     profile = fit_profile(records(timings, args.num_layers), model=st.spec.to_json(), cluster=st.cluster.to_json())
     with writing("--out", ours.out, "the profile"):
         os.makedirs(os.path.dirname(os.path.abspath(ours.out)), exist_ok=True)
