@@ -200,3 +200,17 @@ def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypa
     assert ("of 2 (one per layout)" in err[0]) == (extra == ["--quick"])
     assert err[1].startswith("dcp-profile: the analytic cost model expects about ") and " s of runs" in err[1]
     assert out.is_file()
+
+
+def test_profile_says_which_layouts_the_cores_leave_out(tmp_path, capsys, monkeypatch):
+    from dcp_ext.cli import profile
+    from megatron.training.profiling import SIDE
+
+    monkeypatch.setattr(profile, "usable_cores", lambda: 2)
+    monkeypatch.setattr(profile, "time_points", lambda job: [profile.Timing(p, samples=[0.01]) for p in job.points])
+    argv = _profile_argv("--quick", "--out", str(tmp_path / "p.json"))
+    argv = argv[:argv.index("--nproc")] + argv[argv.index("--layouts") + 2:]  # default --nproc 4, default layouts
+    assert profile.main(argv + ["--recompute", "none"], SIDE) == 0
+    err = capsys.readouterr().err
+    assert ("dcp-profile: layouts of more than 2 ranks are not timed (tp1cp1pp4, tp1cp2pp2, tp1cp4pp1, tp2cp1pp2, "
+            "tp2cp2pp1, tp4cp1pp1): this machine has 2 cores for --nproc 4") in err

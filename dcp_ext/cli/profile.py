@@ -426,7 +426,14 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
                 raise SystemExit(f"--layouts: tp{lay[0]}cp{lay[1]}pp{lay[2]} is not valid for this model on {nproc} "
                                  "ranks (heads and groups divisible by tp, layers by pp, tp*cp*pp <= --nproc)")
     else:
-        layouts = default_layouts(cm, nproc if cuda else min(nproc, usable_cores()))
+        ranks = nproc if cuda else min(nproc, usable_cores())
+        layouts = default_layouts(cm, ranks)
+        skipped = [lay for lay in default_layouts(cm, nproc) if lay not in layouts]
+        if skipped and not ours.quiet:  # a shortfall of what --nproc asks: said, not silent
+            print(f"dcp-profile: layouts of more than {ranks} ranks are not timed ("
+                  f"{', '.join(f'tp{a}cp{b}pp{c}' for a, b, c in skipped)}): this machine has {ranks} cores for "
+                  f"--nproc {nproc}, and timing them would measure the cores' contention; the cost model prices "
+                  "them by the timed layouts' ratios to its analytic prices", file=sys.stderr)
     pad_vocab(args, [lay[0] for lay in layouts])
     spec = ModelSpec.from_megatron_args(args, name=model_name(rest))
     if ours.profile_layers:
