@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Length histogram (table + PNG) and padding overhead (Megatron packing vs THD) of a dataset.
+"""Length histogram (a table; a PNG only where --png says) and padding overhead (Megatron packing vs
+THD) of a dataset.
 
 Thin entry point; the logic lives in dcp_ext/data/stats_report.py. Examples:
     python tools/dataset_stats.py --data-path data/corpus_text_document --seq-length 4096

@@ -1,4 +1,4 @@
-"""`tools/dataset_stats.py`: length histogram (table + PNG) and padding overhead of a dataset.
+"""`tools/dataset_stats.py`: length histogram (a table; a PNG where --png says) and padding overhead of a dataset.
 
 Why a module: the tool stays a thin entry point and this stays testable. Lengths come
 from the `.idx` files only (the `.bin` is not read), or from a text file of lengths (one
