@@ -117,3 +117,24 @@ def test_layouts_respect_model_and_node():
         assert 64 % lay.size == 0
         assert cm.state_bytes(lay) < cm.capacity_bytes
     assert Layout(1, 1, 1) not in cm.all_layouts()  # 70B does not fit one device
+
+
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+def test_max_tokens_is_the_largest_micro_batch_replica_peak_bytes_fits(kernel):
+    """The planner packs under `max_tokens` and the simulator checks `replica_peak_bytes`: they
+    must agree at the edge. With tied embeddings the last stage's backward holds the embedding's
+    gradient beside the layer transients (tied_bytes), which a cap of free / bytes-per-token
+    alone left out: a 3,200-token micro-batch passed a 3,202-token cap and overflowed by 0.1 MiB
+    (the demo model on 4 CPU ranks, flash attention, 190 MiB free)."""
+    model = ModelSpec.from_preset("demo").with_(cpu_attention=kernel)
+    for budget in (190e6, 256e6, 1e9):
+        cm = CostModel(model, ClusterSpec.cpu_gloo(4).with_(memory_bytes=budget, reserved_bytes=0.0))
+        assert cm.tied_bytes(Layout(1, 1, 1)) > 0
+        for lay in (Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1), Layout(2, 1, 2)):
+            for rs in range(cm.layers_per_stage(lay) + 1):
+                cap = cm.max_tokens(lay, rs, 1)
+                if cap < 2:
+                    continue
+                fits = cm.replica_peak_bytes(lay, [float(int(cap))], [rs])
+                over = cm.replica_peak_bytes(lay, [float(int(cap) + 2)], [rs])
+                assert fits <= cm.capacity_bytes < over, (lay, rs, cap)

@@ -378,5 +378,8 @@ class MemoryAccounting:
         if free <= 0:
             return 0.0
         kp, tr, lg = self.act_bytes_per_token(layout, rs)
-        per = max(kp + tr + lg, in_flight * kp + tr)
-        return free / per
+        most = free / max(kp + tr + lg, in_flight * kp + tr)
+        tied = self.tied_bytes(layout)  # replica_peak_bytes: the last stage's transient is at least tr*t + tied
+        if tied > 0:
+            most = min(most, max(0.0, free - tied) / (kp + tr))
+        return most
