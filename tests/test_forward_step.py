@@ -49,3 +49,35 @@ def test_a_batch_key_dcp_lacks_is_one_line(text_corpus, tmp_path):
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "batch['attention_mask']" in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+ZLOSS = os.path.join(REPO, "tests", "zloss_entry.py")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("path", ["static", "dcp"])
+def test_a_z_loss_entry_point_trains_its_loss_on_both_paths(path, text_corpus, tmp_path):
+    """The user's loss computed from the logits, cross entropy + coeff * logsumexp^2: the logged
+    loss is (sum of cross entropy + coeff * sum of z) / tokens of the global batch, from the
+    sums the entry recorded on every rank, on both paths; and the z term reaches the gradient."""
+    import glob
+    import json
+
+    def run(coeff):
+        side = str(tmp_path / f"{path}-{coeff}")
+        flags = TINY_MODEL + FLAGS[path] + ["--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),
+                                            "--train-iters", "1", "--loss-log", side + ".jsonl"]
+        if path == "dcp":
+            flags += ["--dcp-calibrate-at-start", "off"]  # every loss call is then the step's
+        r = run_ranks(2, flags, entry=ZLOSS, env={"ZLOSS_COEFF": str(coeff), "ZLOSS_LOG": side})
+        assert r.returncode == 0, r.stderr[-3000:]
+        calls = [json.loads(line) for p in glob.glob(side + ".[0-9]") for line in open(p)]
+        sums = {k: sum(c[k] for c in calls) for k in ("ce", "z", "tokens")}
+        return read_loss_log(side + ".jsonl")[0], sums
+
+    plain, s0 = run(0.0)
+    zl, s1 = run(0.1)
+    assert s0 == pytest.approx(s1, rel=1e-6) and s1["z"] > 0  # the same weights and batch
+    assert plain["lm loss"] == pytest.approx(s0["ce"] / s0["tokens"], rel=1e-5)
+    assert zl["lm loss"] == pytest.approx((s1["ce"] + 0.1 * s1["z"]) / s1["tokens"], rel=1e-5)
+    assert abs(zl["grad norm"] - plain["grad norm"]) > 1e-3 * plain["grad norm"]
