@@ -48,7 +48,7 @@ setup(
         "filelock",
     ],
     extras_require={
-        # apex has no wheel on PyPI: build it from source (see README) if you want its fused kernels.
+        # apex has no wheel on PyPI: build it from source (see docs/upstream.md) if you want its fused kernels.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "test": ["pytest", "hypothesis", "highspy", "matplotlib", "tensorboard", "tokenizers", "sentencepiece",
                  "transformers", "safetensors"],  # tools/checkpoint_hf.py and its tests

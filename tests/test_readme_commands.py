@@ -1,7 +1,7 @@
 """The README's tool commands run as written and produce what the README says they do.
 
 Why it exists: a newcomer copies the README's commands first. The commands are read from the
-README itself (the fenced ```bash and indented blocks of "Data", "Planning on a laptop" and
+README's pages (the fenced ```bash and indented blocks of "Data", "Planning on a laptop" and
 "Checkpoints", up to their first subsection), so a command that changes there is the command
 tested here; a command this file does not know fails the test until it is given a check. Each
 runs in a fresh folder that holds the repository's tools/, examples/, data/lengths/ and entry
@@ -26,13 +26,15 @@ import pytest
 from tests.helpers import REPO, rank_env
 from tests.session_notes import note
 
-SECTIONS = ("Data", "Planning on a laptop", "Checkpoints")
+# the pages the README links for these tools, and the section of each whose commands run here
+SECTIONS = (("docs/data.md", "Data"), ("docs/planning.md", "Planning on a laptop"),
+            ("docs/checkpoints.md", "Checkpoints"))
 
 
-def section_text(readme: str, title: str) -> str:
-    """The section `## title` up to the next heading of level 2 or 3."""
-    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^##+ )", readme, flags=re.S | re.M)
-    assert m, f"README.md has no section '## {title}'"
+def section_text(page: str, title: str, where: str = "README.md") -> str:
+    """The section `## title` of `page` up to the next heading of level 2 or 3 (or the end)."""
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^##+ |\Z)", page, flags=re.S | re.M)
+    assert m, f"{where} has no section '## {title}'"
     return m.group(1)
 
 
@@ -59,11 +61,10 @@ def commands_in(text: str) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
     out = []
-    for title in SECTIONS:
-        out += commands_in(section_text(readme, title))
+    for path, title in SECTIONS:
+        with open(os.path.join(REPO, path)) as f:
+            out += commands_in(section_text(f.read(), title, path))
     return out
 
 
