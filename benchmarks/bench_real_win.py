@@ -688,8 +688,8 @@ def plot(tables: list[dict], path: str) -> None:
         ax.set_xlim(0, max(speeds + [t["bound_tokens_per_s"] or 0]) * 1.25)
         s = t["setting"]
         ax.set_title(f"{s['name']}, {t['kernel']} attention, max {s['seq_length']} tokens, {s['budget']}", fontsize=10)
-    axes[-1, 0].set_xlabel(f"tokens/s over the last iterations (blue: megatron-core static, green: --dcp-planner "
-                           f"static, orange: --dcp adaptive; hatched: over the budget)")
+    axes[-1, 0].set_xlabel("tokens/s over the last iterations (blue: megatron-core static, green: --dcp-planner "
+                           "static, orange: --dcp adaptive; hatched: over the budget)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

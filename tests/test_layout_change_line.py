@@ -1,8 +1,8 @@
 """The one log line a layout change gets: the longest document, where it runs, and why the
-old layout would not do (cannot hold it, would recompute, or was priced slower)."""
+old layout would not do (cannot hold it, would recompute, or was priced slower); the planner
+says it (`explain`), the training loop prints it."""
 from dcp_ext.planning.planner import make_planner
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
-from megatron.training.training_adaptive import layout_change_line
 
 MODEL = ModelSpec.from_preset("demo").with_(vocab_size=512, param_bytes=4, grad_bytes=4, activation_bytes=4)
 CLUSTER = ClusterSpec.cpu_gloo(4).with_(memory_bytes=256e6, reserved_bytes=0.0)
@@ -11,6 +11,12 @@ CLUSTER = ClusterSpec.cpu_gloo(4).with_(memory_bytes=256e6, reserved_bytes=0.0)
 def planner():
     return make_planner("adaptive", MODEL, CLUSTER, max_seq_len=2048, global_batch_tokens=4096,
                         length_sample=[200, 600, 2048] * 30, seed=0, layouts=["4xtp1cp1pp1", "1xtp1cp4pp1"])
+
+
+def layout_change_line(iteration, before, it, lengths_of, p):
+    """The layout-change line of what the planner says about `it` (None when it says none)."""
+    lines = [x for x in p.explain(iteration, before, it, lengths_of) if x.startswith("> layout change")]
+    return lines[0] if lines else None
 
 
 def plan(p, index, lengths):

@@ -96,3 +96,12 @@ def check(args: argparse.Namespace) -> None:
     line = message(collect(args))
     if line:
         raise ArgumentError(line)
+
+
+def check_upstream_flags(args: argparse.Namespace) -> None:
+    """`judge_upstream_flags`, raising one line that names every refused flag given."""
+    from megatron.training.upstream_flags import judge_upstream_flags
+
+    refused = judge_upstream_flags(args)
+    if refused:
+        raise ArgumentError(message([Refusal((g.shown,), g.flag.text) for g in refused]))

@@ -21,8 +21,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from megatron.training.initialize import print_rank_0
-
 PROBE_EVERY = 2  # of the first batch's documents a layout holds, longest first, every 2nd: half the time
 
 

@@ -25,7 +25,7 @@ from megatron.training.initialize import print_rank_0, set_random_seed_without_p
 from megatron.training.loop import Outcome
 from megatron.training.online_calibration import OnlineCalibration
 from megatron.training.run_config import AdaptiveRunConfig
-from dcp_ext.planning.planners.common import describe as describe_mix
+from dcp_ext.planning.planners.explain import layout_label, layout_summary
 
 
 def cluster_for(world_size: int, args):
@@ -61,56 +61,6 @@ def cluster_for(world_size: int, args):
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
     return ClusterSpec(name=f"{gpu.name}x{world_size}", num_gpus=world_size,
                        gpus_per_node=max(1, min(per_node, world_size)), gpu=gpu)
-
-
-def layout_label(it) -> str:
-    """`tp2·pp2 + 2×tp1`: the iteration's replicas by type."""
-    labels = Counter(r.replica_type.label() for r in it.replicas)
-    return " + ".join(f"{n}×{lab}" if n > 1 else lab for lab, n in labels.items())
-
-
-def layout_summary(it) -> str:
-    """`layout: tp2·pp2 + 2×tp1 | mb 3/5/5 | recompute 0/12`."""
-    layout = layout_label(it)
-    mbs = "/".join(str(len(r.micro_batches)) for r in it.replicas)
-    all_mbs = [mb for r in it.replicas for mb in r.micro_batches]
-    recomputed = sum(1 for mb in all_mbs if mb.recompute_layers > 0)
-    return f"layout: {layout} | mb {mbs} | recompute {recomputed}/{len(all_mbs)}"
-
-
-def layout_change_line(iteration: int, before, it, lengths_of: dict, planner) -> str | None:
-    """One line when the iteration's layout differs from the last one's, saying why: the
-    longest document, where it runs and with what recompute, and which of the old layout's
-    replica types could not hold it alone (or that the planner priced the new one faster)."""
-    if before is None or layout_label(before[0]) == layout_label(it):
-        return None
-    old_it, old_longest = before
-    longest = max(lengths_of.values()) if lengths_of else 0
-    where = ""
-    for rep in it.replicas:
-        for mb in rep.micro_batches:
-            if any(lengths_of.get(s) == longest for s in mb.sample_ids):
-                recompute = (f"{mb.recompute_layers}/{planner.model.num_layers} layers recomputed"
-                             if mb.recompute_layers else "no recompute")
-                where = f" on {rep.replica_type.label()}, {recompute}"
-                break
-        if where:
-            break
-    tables = getattr(planner, "tables", {})
-    reasons = []
-    for rep in {r.replica_type.layout: r for r in old_it.replicas}.values():
-        table = tables.get(rep.replica_type.layout)
-        if table is None:
-            continue
-        rs = table.rs_planned(longest)
-        if rs is None:
-            reasons.append(f"{rep.replica_type.label()} cannot hold it (at most {int(table.max_doc)} tokens)")
-        elif rs > 0:
-            reasons.append(f"{rep.replica_type.label()} would recompute {rs * rep.pp}/{planner.model.num_layers} layers")
-    why = "; ".join(reasons) if reasons else f"{layout_label(old_it)} holds it without recompute: {layout_label(it)} " \
-                                             "was priced faster for this batch"
-    return (f"> layout change at iteration {iteration}: {layout_label(old_it)} -> {layout_label(it)} | longest "
-            f"document {longest} tokens (before: {old_longest}){where} | {why}")
 
 
 # Tensor-parallel sizes a planner may use on any machine of up to this many devices per
@@ -407,20 +357,7 @@ class AdaptiveSteps:
         self.previous = None  # the last iteration's plan and lengths, for the layout-change line
         self.batch = self.it = self.result = None
         self.plan_s = 0.0
-        self.pool_said = None  # (pool_choices, pool) as last said (`_say_a_new_pool`)
         self.recent = deque(maxlen=HEADROOM_WINDOW)  # (lengths, measured s, predicted s) of the last iterations
-
-    def _say_a_new_pool(self, iteration: int) -> None:
-        """One line each time the planner chose its candidate pool again (from measured
-        prices; the planner is idle here)."""
-        choices = getattr(self.planner, "pool_choices", None)
-        if choices is None:
-            return
-        now = [describe_mix(c) for c in self.planner.pool.layouts]
-        if self.pool_said is not None and choices != self.pool_said[0]:
-            what = "the same pool" if now == self.pool_said[1] else "; ".join(now)
-            print_rank_0(f"iteration {iteration + 1}: candidate pool chosen again from the measured prices: {what}")
-        self.pool_said = (choices, now)
 
     def _plan(self, index, batch):
         t0 = time.perf_counter()
@@ -449,7 +386,9 @@ class AdaptiveSteps:
             self.it, self.plan_s = self.upcoming.result() if self.upcoming is not None else self._plan(iteration, batch)
         if list(self.it.sample_ids) != list(batch.sample_ids):
             raise RuntimeError(f"iteration {iteration}: prefetched plan does not match the batch")
-        self._say_a_new_pool(iteration)
+        line = self.planner.pool_line(iteration)
+        if line:
+            print_rank_0(line)
         if self.recalibration is not None:
             self.recalibration.between_plans()  # the planner is idle: the next plan sees the new prices
         self.planner_state = self.planner.planning_state()
@@ -486,12 +425,8 @@ class AdaptiveSteps:
         summary = layout_summary(it)
         self.window_layouts[layout_label(it)] += 1
         lengths_of = dict(zip((int(i) for i in batch.sample_ids), (int(n) for n in batch.lengths)))
-        change = layout_change_line(iteration, self.previous, it, lengths_of, self.planner)
-        if change:
-            print_rank_0(change)
-        note = getattr(self.planner, "notes", {}).pop(it.index, None)
-        if note:
-            print_rank_0(f"> iteration {iteration}: {note}")
+        for line in self.planner.explain(iteration, self.previous, it, lengths_of):
+            print_rank_0(line)
         self.previous = (it, max(lengths_of.values(), default=0))
         self.recent.append(([int(n) for n in batch.lengths], elapsed_s, it.predicted_time_s))
         extra = (f" {summary} | predicted/measured (ms): {1000 * it.predicted_time_s:.1f}/"

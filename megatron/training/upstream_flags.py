@@ -18,7 +18,6 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.argument_errors import ArgumentError
 from megatron.training.upstream_flag_table import ACCEPT, CONDITIONS, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
 
 REGISTRY_ATTR = "_upstream_flag_registry"  # parser default: {dest: UpstreamFlag} of the flags registered
@@ -228,15 +227,6 @@ def _in_this_line(g: Given, args: argparse.Namespace) -> Given:
     return Given(g.shown, g.flag, g.value, harmless_here=True)
 
 
-def check_upstream_flags(args: argparse.Namespace) -> None:
-    """`judge_upstream_flags`, raising one line that names every refused flag given."""
-    refused = judge_upstream_flags(args)
-    if refused:
-        from megatron.training.flag_refusals import Refusal, message
-
-        raise ArgumentError(message([Refusal((g.shown,), g.flag.text) for g in refused]))
-
-
 def accepted_line(args: argparse.Namespace) -> Optional[str]:
     """The one line printed at start (rank 0) naming the flags accepted without effect, or None."""
     accepted = args.accepted_without_effect
@@ -269,7 +259,7 @@ def counts(parser: argparse.ArgumentParser, rows: list[list[str]]) -> dict[str, 
     return out
 
 
-__all__ = ["ACCEPT", "REFUSE", "FLAGS", "NOT_GIVEN", "UpstreamFlag", "add_upstream_flags", "check_upstream_flags",
+__all__ = ["ACCEPT", "REFUSE", "FLAGS", "NOT_GIVEN", "UpstreamFlag", "add_upstream_flags",
            "judge_upstream_flags",
            "accepted_line", "announce", "given_flags", "counts"]
 

@@ -151,7 +151,7 @@ class AdaptivePlanner(PlannerBase):
         self._pool_stale = False  # the next plan chooses the pool again first
         self._current: LayoutMix | None = None
         self._regret_said = False  # the last no-regret line said a mix was set aside
-        self.notes: dict[int, str] = {}  # iteration index -> a line for the log (the training loop pops them)
+        self._pool_said = None  # (pool_choices, pool) as `pool_line` last saw them
         self._recalibrations = 0
         self.pool_choices = 1  # times the pool was chosen (at start, then by `_rechoose`)
         allowed = [l for l in self.cm.all_layouts() if layout_filter is None or layout_filter(l)]
@@ -437,6 +437,16 @@ class AdaptivePlanner(PlannerBase):
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
+
+    def pool_line(self, iteration: int) -> str | None:
+        """One line each time the candidate pool was chosen again (from measured prices) since
+        the last call; the first call only notes the pool it starts from."""
+        now = [describe(c) for c in self.pool.layouts]
+        said, self._pool_said = self._pool_said, (self.pool_choices, now)
+        if said is None or said[0] == self.pool_choices:
+            return None
+        what = "the same pool" if now == said[1] else "; ".join(now)
+        return f"iteration {iteration + 1}: candidate pool chosen again from the measured prices: {what}"
 
     def reset(self) -> None:
         self._current = None

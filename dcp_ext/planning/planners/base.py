@@ -48,6 +48,7 @@ class PlannerBase:
             length_sample = list(np.unique(np.geomspace(16, self.max_seq_len, 64).round().astype(int)))
         self.length_sample = np.minimum(np.asarray(length_sample, dtype=np.int64), self.max_seq_len)
         self._types: list[ReplicaType] = []
+        self.notes: dict[int, str] = {}  # iteration index -> a line for the log, left while planning (`explain`)
 
     # -------------------------------------------------------------- interface
     def replica_types(self) -> list[ReplicaType]:
@@ -79,6 +80,21 @@ class PlannerBase:
 
     def describe(self) -> str:
         return self.name
+
+    def explain(self, iteration: int, before, it: IterationPlan, lengths_of: dict) -> list[str]:
+        """The log's lines about iteration `it` (`before`: the previous plan and its longest
+        document, or None): why its layout differs from the previous one, and any note the
+        planner left when it planned it (`notes`, e.g. a no-regret choice)."""
+        from dcp_ext.planning.planners.explain import layout_change
+
+        lines = [layout_change(iteration, before, it, lengths_of, self.model.num_layers, getattr(self, "tables", {}))]
+        note = self.notes.pop(it.index, None)
+        lines.append(f"> iteration {iteration}: {note}" if note else None)
+        return [line for line in lines if line]
+
+    def pool_line(self, iteration: int) -> str | None:
+        """A line when the candidate pool was chosen again since the last call (None: not)."""
+        return None
 
     def state_dict(self) -> dict:
         """What a resumed run needs to plan the next iterations exactly as an unbroken one
