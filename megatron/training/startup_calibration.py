@@ -39,10 +39,12 @@ def wanted(args, planner, consumed_samples: int) -> bool:
             and hasattr(planner, "probe_layouts"))
 
 
-def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: int = -1) -> str:
+def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: int = -1) -> str | None:
     """Run every probe layout once on `batch` (a GlobalBatch: sample_ids, lengths), feed the
     timings to `recalibration`, apply them and choose the pool again. Collective. Returns the
-    line to say."""
+    line to say (None: the batch has no token to train on, so nothing was measured)."""
+    from dcp_ext.runtime.step_result import NoTrainableTokens
+
     started = time.perf_counter()
     measured = []
     for lay in planner.probe_layouts():
@@ -50,7 +52,10 @@ def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: in
         if it is None:
             continue
         t0 = time.perf_counter()
-        result = engine.train_iteration(it, dataset, update=False)
+        try:
+            result = engine.train_iteration(it, dataset, update=False)
+        except NoTrainableTokens:  # nothing to time: the first iteration says why in its own line
+            return None
         wall = time.perf_counter() - t0
         lengths = dict(zip(batch.sample_ids, batch.lengths))
         recalibration.measured(it, ProbeBatch(list(it.sample_ids), [lengths[i] for i in it.sample_ids]), result, wall,

@@ -311,9 +311,10 @@ class AdaptiveRun:
             from dcp_ext.data.batches import GlobalBatchStream
 
             first = GlobalBatchStream(self.train_ds, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len).peek(1)
-            if first:
-                print_rank_0(startup_calibration.calibrate_at_start(self.engine, self.planner, self.recalibration,
-                                                                    self.train_ds, first[0]))
+            line = first and startup_calibration.calibrate_at_start(self.engine, self.planner, self.recalibration,
+                                                                     self.train_ds, first[0])
+            if line:
+                print_rank_0(line)
         self.adaptive_steps = AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds,
                                             self.valid_ds, consumed_samples, logger, features, self.recalibration,
                                             test_ds=self.test_ds)
