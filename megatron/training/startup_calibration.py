@@ -39,11 +39,13 @@ def wanted(args, planner, consumed_samples: int) -> bool:
             and hasattr(planner, "probe_layouts"))
 
 
-def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: int = -1) -> str | None:
+def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: int = -1, **step_options) -> str | None:
     """Run every probe layout once on `batch` (a GlobalBatch: sample_ids, lengths), feed the
     timings to `recalibration`, apply them and choose the pool again. Collective. Returns the
-    line to say (None: the batch has no token to train on, so nothing was measured)."""
-    from dcp_ext.runtime.step_result import NoTrainableTokens
+    line to say (None: nothing was measured, because the batch has no token to train on or the
+    entry point's forward_step cannot run under --dcp: the first iteration says which in its own
+    line). `step_options` go to every probe step as to a training step (eod_mask_loss, eod)."""
+    from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
 
     started = time.perf_counter()
     measured = []
@@ -53,8 +55,8 @@ def calibrate_at_start(engine, planner, recalibration, dataset, batch, index: in
             continue
         t0 = time.perf_counter()
         try:
-            result = engine.train_iteration(it, dataset, update=False)
-        except NoTrainableTokens:  # nothing to time: the first iteration says why in its own line
+            result = engine.train_iteration(it, dataset, update=False, **step_options)
+        except (NoTrainableTokens, ForwardStepError):  # nothing to time: the first iteration says why in one line
             return None
         wall = time.perf_counter() - t0
         lengths = dict(zip(batch.sample_ids, batch.lengths))

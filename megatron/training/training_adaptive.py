@@ -312,7 +312,9 @@ class AdaptiveRun:
 
             first = GlobalBatchStream(self.train_ds, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len).peek(1)
             line = first and startup_calibration.calibrate_at_start(self.engine, self.planner, self.recalibration,
-                                                                     self.train_ds, first[0])
+                                                                     self.train_ds, first[0],
+                                                                     eod_mask_loss=self.args.eod_mask_loss,
+                                                                     eod=self.args.eod_token)
             if line:
                 print_rank_0(line)
         self.adaptive_steps = AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds,
