@@ -136,7 +136,7 @@ def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = F
 def compare_engines(settings, iterations: int, reference: bool, layer_strategies: bool = False,
                     reference_builds: bool = True) -> None:
     """`reference_builds` False: the Python reference plans on the pool the kernels built
-    (the build's kernels equal their reference, tests/test_planner_kernels.py), so only
+    (the build's kernels equal their reference, tests/planning/test_planner_kernels.py), so only
     the per-iteration times are compared (the reference build at h200x4096 takes long)."""
     print(f"{'setting':17s} {'cluster':9s} {'engine':7s} {'build s':>8s} {'plan median ms':>15s} {'plan max ms':>12s} "
           f"{'predicted s':>12s}", flush=True)

@@ -335,7 +335,8 @@ def plan_dcp_static(s: Setting, data: Data, kernel: str, args) -> list[Candidate
 
     from dcp_ext.data.indexed import IndexedDocuments
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.planning.planners.common import PlanningError, sample_batches
+    from dcp_ext.planning.batching import sample_batches
+    from dcp_ext.planning.planners.errors import PlanningError
     from dcp_ext.planning.specs import ClusterSpec
     from megatron.training.arguments import ArgumentError, memory_size
     from megatron.training.run_config import AdaptiveRunConfig

@@ -8,7 +8,7 @@
 // every recompute level of every layout) the most of the rest at h200x1024. Here the
 // same arithmetic runs in one pass, no temporaries.
 //
-// Equality with the Python reference (tests/test_bound_kernel.py): every expression keeps
+// Equality with the Python reference (tests/planning/test_bound_kernel.py): every expression keeps
 // numpy's operation order, FP contraction is off (setup.py), np.maximum/np.minimum keep
 // NaN, and every sum numpy takes (`ndarray.sum`, pairwise) is taken the same way
 // (`pairwise_sum`). Ties in the refinement's ratio order are broken by document index.

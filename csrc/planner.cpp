@@ -2,18 +2,18 @@
 //  - stage 1, which replica runs each document: the earliest-finish pass of
 //    AdaptivePlanner._stage1 (longest document first), then the moves and swaps of
 //    dcp_ext/planning/planners/rebalance.py;
-//  - stage 2's first-fit-decreasing packing (planners/common.py, without a memory check);
+//  - stage 2's first-fit-decreasing packing (planners/packing.py, without a memory check);
 //  - the candidate pool's dynamic program (planners/candidates.py);
-//  - stage 2's pricing of a single-stage replica (planners/common.finish_replica for
+//  - stage 2's pricing of a single-stage replica (planners/packing.finish_replica for
 //    pp == 1 without quadratic memory: each micro-batch's statistics, the cap check and
 //    the sum of StageCoeffs.mb_time);
-//  - stage 2 of a whole full plan in one call (pack_replicas: planners/common.pack_replica
+//  - stage 2 of a whole full plan in one call (pack_replicas: planners/packing.pack_replica
 //    for every replica with memory linear in tokens, then the pricing above for the
 //    single-stage ones).
 //
 // Why it exists: the planner runs every iteration on every rank beside the step, and
 // builds its pool at every start; these were Python loops over every document, replica
-// and type. The Python code stays the reference (tests/test_planner_kernels.py holds the
+// and type. The Python code stays the reference (tests/planning/test_planner_kernels.py holds the
 // two equal on real batches): every float expression keeps its operation order,
 // np.maximum/np.minimum keep NaN, ties go the way Python's heapq, sorted() and np.argmin
 // send them.
@@ -448,7 +448,7 @@ py::tuple mix_dynamic_program(const Arr& cum, const Arr& alone, const Arr& first
   return py::make_tuple(counts, hi);
 }
 
-// planners/common.first_fit_decreasing without a check, on item indices 0..n-1 of sizes
+// planners/packing.first_fit_decreasing without a check, on item indices 0..n-1 of sizes
 // x: largest first (ties keep their order), each into the first bin with room, else a
 // new bin.
 std::vector<std::vector<int64_t>> ffd_indices(const std::vector<double>& x, double cap) {
@@ -511,7 +511,7 @@ bool price_mb(int64_t s2, int64_t t, int64_t n, int64_t rs, const double* coef, 
   return T <= caps[rs] * (1 + 1e-12);
 }
 
-// planners/common.finish_replica, pp == 1 and memory linear in tokens: per micro-batch
+// planners/packing.finish_replica, pp == 1 and memory linear in tokens: per micro-batch
 // (docs, rs) of `mbs`, s2 = sum of squared lengths and t = sum of lengths (exact integer
 // sums, as Python's ints, then rounded to double once), n = its document count; ok while
 // every t <= caps[rs] * (1 + 1e-12) (caps[rs] = -inf where rs is not allowed); pipe = the
@@ -571,7 +571,7 @@ std::vector<std::vector<int64_t>> ffd_bins(const std::vector<int64_t>& items, co
   return bins;
 }
 
-// planners/common.pack_replica's pipelined branch without a memory check: m micro-batches
+// planners/packing.pack_replica's pipelined branch without a memory check: m micro-batches
 // (balancing bubble against the per-micro-batch constant), filled longest first, each
 // document into the least loaded bin with token room (up to 8 fuller ones set aside),
 // else a new bin. heapq pops the least (load, bin) and bins are unique, so any priority
@@ -634,7 +634,7 @@ bool lpt_bins(const std::vector<std::pair<int64_t, int64_t>>& items, const int64
 }
 
 // Stage 2 of a full plan for its replicas with memory linear in tokens, in one call:
-// planners/common.pack_replica (a document longer than the type's longest packed one runs
+// planners/packing.pack_replica (a document longer than the type's longest packed one runs
 // alone at the least recompute whose cap holds it, TypeTable.rs_planned; the rest packed by
 // FFD, or on pipelines by lpt_bins), then, for single-stage replicas, finish_replica's
 // pricing. docs[k]: replica k's sorted positions (stage 1's output); order: sorted position

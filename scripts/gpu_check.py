@@ -711,11 +711,12 @@ class Check:
         if self.mode != "gpu":
             return {"status": "skipped", "reason": "needs CUDA: the gpu-marked tests skip without it"}
         files = []
-        for name in sorted(os.listdir(os.path.join(REPO, "tests"))):
-            if name.startswith("test_") and name.endswith(".py"):
-                with open(os.path.join(REPO, "tests", name)) as f:
-                    if "pytest.mark.gpu" in f.read():
-                        files.append(os.path.join("tests", name))
+        for folder, _, names in sorted(os.walk(os.path.join(REPO, "tests"))):
+            for name in sorted(names):
+                if name.startswith("test_") and name.endswith(".py"):
+                    with open(os.path.join(folder, name)) as f:
+                        if "pytest.mark.gpu" in f.read():
+                            files.append(os.path.relpath(os.path.join(folder, name), REPO))
         if not files:
             return {"status": "skipped", "reason": "no test file has a gpu mark"}
         job = Job("e pytest -m gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]

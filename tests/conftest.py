@@ -56,12 +56,12 @@ def leftover_processes(mark: str) -> list:
 
 def pytest_addoption(parser):
     parser.addoption("--repin", action="store_true",
-                     help="re-pin the plans of tests/test_plan_digests.py that changed (and say what changed)")
+                     help="re-pin the plans of tests/planning/test_plan_digests.py that changed (and say what changed)")
 
 
 def pytest_configure(config):
-    """The tier rule (tests/tiers.py): only `dist` tests start processes."""
-    from tests import tiers
+    """The tier rule (tests/support/tiers.py): only `dist` tests start processes."""
+    from tests.support import tiers
 
     tiers.register(config)
 
@@ -77,8 +77,8 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The figures tests noted for the record (tests/session_notes.py)."""
-    from tests.session_notes import NOTES
+    """The figures tests noted for the record (tests/support/session_notes.py)."""
+    from tests.support.session_notes import NOTES
 
     for section, lines in NOTES.items():
         terminalreporter.section(section)
@@ -90,7 +90,7 @@ def pytest_sessionfinish(session, exitstatus):
     """Fail the run if a process the tests started is still alive (then kill it, by pid)."""
     import psutil
 
-    from tests.entry_runner import close_shared
+    from tests.support.entry_runner import close_shared
 
     close_shared()  # the one-rank fork server (helpers.run_ranks)
     mark = os.environ[SESSION_MARK]
@@ -156,7 +156,7 @@ def text_corpus(tmp_path_factory) -> str:
 
 # the demo's model and corpus with 512-token documents and no memory budget (faster): the
 # shipped examples/cpu_demo.yaml is what `make demo` runs
-DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu_demo_tests.yaml")
+DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "cpu_demo_tests.yaml")
 
 
 def demo_flags(cache, planner, iters, log, plan_log=None):
@@ -178,7 +178,7 @@ class DemoRun(NamedTuple):
     losses: list  # loss records
     plans: dict  # plan records by index
     ckpt: str  # its checkpoint folder
-    groups: dict  # rank -> process-group creations ({"call", "iterations_done"}), tests/group_count_entry.py
+    groups: dict  # rank -> process-group creations ({"call", "iterations_done"}), tests/support/group_count_entry.py
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +186,7 @@ def adaptive_demo(demo_cache, tmp_path_factory):
     """One uninterrupted 20-iteration adaptive run of the CPU demo on 4 ranks, the reference of
     the runs that restart or resume it (a DemoRun; its process-group creations recorded). It saves every 3 iterations (saving changes nothing it computes), so the tests
     that resume a 4-rank checkpoint take theirs from here instead of a run of their own."""
-    from tests.helpers import REPO, read_loss_log, read_plan_log, run_ranks
+    from tests.support.helpers import REPO, read_loss_log, read_plan_log, run_ranks
 
     root = tmp_path_factory.mktemp("adaptive_demo")
     log, plans, save = str(root / "loss.jsonl"), str(root / "plans.jsonl"), str(root / "ckpt")

@@ -25,7 +25,7 @@ from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 def run_tool(main: Callable[[], int]) -> int:
     """Call a tool's body through the one boundary (dcp_ext.cli.boundary); the planner's own
     refusals and bad data are one line too."""
-    from dcp_ext.planning.planners.common import PlanningError
+    from dcp_ext.planning.planners.errors import PlanningError
 
     return boundary.run_tool(main, errors={PlanningError: 1, DataError: 1})
 

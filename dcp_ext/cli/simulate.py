@@ -23,7 +23,7 @@ from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.data.progress import Progress
 from dcp_ext.planning.plan import validate_iteration
 from dcp_ext.planning.planner import PLANNERS, make_planner
-from dcp_ext.planning.planners.common import PlanningError
+from dcp_ext.planning.planners.errors import PlanningError
 from dcp_ext.planning.simulator import lower_bound, simulate_iteration
 
 

@@ -332,7 +332,7 @@ def _contiguous(*arrays) -> list[np.ndarray]:
 def _solve(tb: BoundTables, n_dev: int, lengths, theta: np.ndarray, refine: bool, impl: str = "auto") -> float:
     """The least time T at which the relaxation holds (see the module docstring), by
     bisection; `impl` "auto" runs the C++ kernel where built, "python" the reference below
-    (the two are equal bit for bit: tests/test_bound_kernel.py)."""
+    (the two are equal bit for bit: tests/planning/test_bound_kernel.py)."""
     solve = kernel("bound_solve") if impl == "auto" else None
     if solve is not None and len(lengths) > 0:
         return float(solve(*_contiguous(tb.x0, tb.x1, tb.psi, tb.alone, tb.sync, tb.size, tb.q, tb.c0, tb.c0fb, tb.cv,

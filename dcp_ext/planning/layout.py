@@ -11,7 +11,7 @@ order: tp fastest, then cp, then pp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 
 class Layout(NamedTuple):
@@ -143,3 +143,57 @@ def communicators_per_rank(types: Iterable[ReplicaType], world: int) -> list[int
             for r in ranks:
                 counts[r] += 1
     return counts
+
+
+# ---------------------------------------------------------------------------- mixes on the ranks
+def place(layouts: Sequence[Layout], world: int) -> list[tuple[Layout, list[int]]]:
+    """Contiguous, size-aligned rank blocks (largest replicas first), Megatron order inside
+    each block (tp fastest, then cp, then pp). Deterministic."""
+    order = sorted((Layout(*l) for l in layouts), key=lambda l: (-l.size, -l.tp, -l.cp, -l.pp))
+    out, start = [], 0
+    for lay in order:
+        out.append((lay, list(range(start, start + lay.size))))
+        start += lay.size
+    if start != world:
+        raise ValueError(f"layouts use {start} devices, the world has {world}")
+    return out
+
+
+def canonical(counts: dict[Layout, int]) -> LayoutMix:
+    return tuple(sorted(((Layout(*k), v) for k, v in counts.items() if v > 0), key=lambda kv: (-kv[0].size, -kv[0].tp, -kv[0].cp, -kv[0].pp)))
+
+
+def parse_layout(spec) -> LayoutMix:
+    """"4xtp1cp1pp1", "1xtp2cp1pp1+2xtp1cp1pp1" or a list of (tp, cp, pp) replicas."""
+    import re
+
+    counts: dict[Layout, int] = {}
+    if isinstance(spec, str):
+        for part in spec.split("+"):
+            m = re.fullmatch(r"\s*(?:(\d+)\s*x\s*)?tp(\d+)cp(\d+)pp(\d+)\s*", part)
+            if not m:
+                raise ValueError(f"layout {spec!r}: expected parts like 2xtp2cp1pp1")
+            n = int(m.group(1) or 1)
+            lay = Layout(int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            counts[lay] = counts.get(lay, 0) + n
+    else:
+        for t in spec:
+            lay = Layout(*[int(v) for v in t])
+            counts[lay] = counts.get(lay, 0) + 1
+    return canonical(counts)
+
+
+def expand(counts: Iterable[tuple[Layout, int]]) -> list[Layout]:
+    return [lay for lay, n in counts for _ in range(n)]
+
+
+def describe(counts: Iterable[tuple[Layout, int]]) -> str:
+    return "+".join(f"{n}x{lay}" for lay, n in counts)
+
+
+def mix_label(counts: Iterable[tuple[Layout, int]]) -> str:
+    """`cp2 + 2×tp1`: a mix as the log line names an iteration's layout."""
+    def one(lay: Layout) -> str:
+        return "·".join(f"{k}{v}" for k, v in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if v > 1) or "tp1"
+
+    return " + ".join(f"{n}×{one(lay)}" if n > 1 else one(lay) for lay, n in counts)

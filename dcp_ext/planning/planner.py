@@ -13,7 +13,8 @@ from typing import Any, Sequence
 from dcp_ext.planning.planners.adaptive import AdaptivePlanner
 from dcp_ext.planning.layout import ReplicaType
 from dcp_ext.planning.planners.base import PlannerBase
-from dcp_ext.planning.planners.common import PlanningError, make_type_table
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.tables import make_type_table
 from dcp_ext.planning.planners.dynamic_cp import DCPPlanner, DynamicCPPlanner
 from dcp_ext.planning.planners.static import StaticPlanner
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec

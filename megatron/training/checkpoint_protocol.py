@@ -33,7 +33,7 @@ died (its tracker's .tmp, written before that rename, says so). Complete checkpo
 no tracker mean the tracker was lost: refused, naming the newest and how to resume it,
 never a fresh start that would save over them. A tracker saying `release` is upstream
 Megatron's release checkpoint in `{load}/release/`: its weights load and the iteration
-count starts at 0, as upstream does. tests/test_save_faults.py kills a save at each
+count starts at 0, as upstream does. tests/checkpoint/test_save_faults.py kills a save at each
 step in turn (`FAULT_POINTS`) and loads what is left. Because the format is sharded by
 global tensor slices, a checkpoint saved under one TP/PP/DP layout loads under another.
 
@@ -61,7 +61,7 @@ ASIDE_SUFFIX = ".old"
 DELETING_SUFFIX = ".deleting"
 
 # Where `DCP_FAULT_INJECT=<name>` kills rank 0 in a save, in the order a save reaches them
-# (tests/test_save_faults.py crashes at each in turn). "after_shards" kills every rank.
+# (tests/checkpoint/test_save_faults.py crashes at each in turn). "after_shards" kills every rank.
 FAULT_POINTS = (
     "after_recover",      # step 1 done
     "after_staging_dir",  # empty iter_N.incomplete/ made

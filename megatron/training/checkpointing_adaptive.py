@@ -133,7 +133,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
             for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
                 for kind in kinds:
                     values = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
-                    shard[kind][piece.offset + lo - piece.start : piece.offset + hi - piece.start] = values
+                    shard[kind][piece.local(lo, hi)] = values
         del state, request
     engine.optimizer.set_master(shard["param"])
     if "exp_avg" in shard:
@@ -243,7 +243,7 @@ def _load_static_weights(args, engine, path: str, common: dict) -> tuple[int, in
 
 def _place(shard: torch.Tensor, sharding, rank: int, t, flat: torch.Tensor) -> None:
     for piece, lo, hi in sharding.overlaps(rank, t.offset, t.offset + t.numel):
-        shard[piece.offset + lo - piece.start : piece.offset + hi - piece.start] = flat[lo - t.offset : hi - t.offset]
+        shard[piece.local(lo, hi)] = flat[lo - t.offset : hi - t.offset]
 
 
 def local_name(name: str) -> str:

@@ -172,7 +172,7 @@ def pretrain(
     Returns the list of (iteration, lm loss) logged, for tests and tools.
     """
     from dcp_ext.data.errors import DataError
-    from dcp_ext.planning.planners.common import PlanningError
+    from dcp_ext.planning.planners.errors import PlanningError
 
     try:
         args = parse_args(argv)

@@ -159,7 +159,7 @@ def static_layout_line(args, planner) -> str:
 def build_planner(args, train_ds, cluster=None, model=None):
     """model: the run configuration's ModelSpec (from the flags when None)."""
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.planning.planners.common import PlanningError
+    from dcp_ext.planning.planners.errors import PlanningError
     from dcp_ext.planning.specs import ModelSpec
 
     sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]

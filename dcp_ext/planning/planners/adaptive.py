@@ -45,22 +45,11 @@ from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
 from dcp_ext.planning.planners.candidates import Pool, build_pool, stderr_progress
 from dcp_ext.planning.planners.rebalance import rebalance
-from dcp_ext.planning.planners.common import (
-    PackedReplica,
-    canonical,
-    PlanningError,
-    describe,
-    expand,
-    mix_label,
-    finish_replica,
-    extreme_batches,
-    make_type_table,
-    pack_and_price,
-    parse_layout,
-    place,
-    sample_batches,
-    to_iteration_plan,
-)
+from dcp_ext.planning.batching import extreme_batches, sample_batches
+from dcp_ext.planning.layout import canonical, describe, expand, mix_label, parse_layout, place
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.packing import PackedReplica, finish_replica, pack_and_price, to_iteration_plan
+from dcp_ext.planning.planners.tables import make_type_table
 
 
 def _switch(value, name: str, choices: tuple[str, ...]) -> str:
@@ -96,7 +85,7 @@ class AdaptivePlanner(PlannerBase):
         switch_cost_s: float = 0.0,
         max_moves: int | None = None,
         screen_slack: float = 0.01,
-        engine: str = "auto",
+        side_plan: str = "auto",
         move_targets: int = 3,
         small_batch: int = 64,
         side_plan_max_docs: int = 8192,
@@ -116,6 +105,8 @@ class AdaptivePlanner(PlannerBase):
         model's stage times (`planners.stage_split`), fixed per layout; "even" emits the
         even split explicitly (every stage priced on its own: the control for measuring
         what the balancing itself buys). Both: True/"on", False/"off".
+        side_plan: "auto" runs dcp_ext.assign's stage 1 + 2 beside the main kernels where its C++
+        build is there, "on" always (an error without it), "off" never.
         side_plan_max_docs: batches of more documents skip the dcp_ext.assign side plan (a
         budget: at h200x1024 with 64M-token batches, 18k documents, it took 35 of 95 ms per
         iteration and never won; its wins on smaller batches were at most 0.06%).
@@ -133,16 +124,16 @@ class AdaptivePlanner(PlannerBase):
         self.move_targets = move_targets
         self.small_batch = small_batch
         self.side_plan_max_docs = side_plan_max_docs
-        if engine not in ("auto", "python", "assign"):
-            raise ValueError(f"engine must be auto, python or assign, not {engine!r}")
+        if side_plan not in ("auto", "on", "off"):
+            raise ValueError(f"side_plan must be auto, on or off, not {side_plan!r}")
         self._use_assign = False
-        if engine != "python":
+        if side_plan != "off":
             try:
                 import dcp_ext.assign as _assign
 
-                self._use_assign = engine == "assign" or _assign.cpp_available()
+                self._use_assign = side_plan == "on" or _assign.cpp_available()
             except ImportError:
-                if engine == "assign":
+                if side_plan == "on":
                     raise
         self.max_moves = max_moves
         self.max_layouts = max_layouts
@@ -685,7 +676,7 @@ class AdaptivePlanner(PlannerBase):
         constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
         scaled times then mean equal finish times with sync), and micro-batches are capped
         at the no-recompute token cap (a batch with a document longer than every cap is
-        left to the Python engine). Nor does it know quadratic memory: there a replica takes
+        left to the Python stage 1). Nor does it know quadratic memory: there a replica takes
         documents up to the longest that fits without recompute, finish_replica raises the
         recompute its packed micro-batches need, and a plan memory cannot hold is no plan.
         `beat`: the time the plan must be faster than to be taken; once a replica's time

@@ -67,7 +67,7 @@ class PlannerBase:
     def checked(self, it: IterationPlan, sample_ids: Sequence[int], lengths: Sequence[int]) -> IterationPlan:
         """`it` if it is a valid plan of this world and model that fits device memory (`plan`'s
         post-conditions), else a PlanningError."""
-        from dcp_ext.planning.planners.common import PlanningError
+        from dcp_ext.planning.planners.errors import PlanningError
         from dcp_ext.planning.simulator import simulate_iteration
 
         m = self.model

@@ -17,7 +17,7 @@ import numpy as np
 
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
-from dcp_ext.planning.planners.common import DocCosts, TypeTable, doc_costs, pipeline_capacity, pipeline_overhead
+from dcp_ext.planning.planners.tables import DocCosts, TypeTable, doc_costs, pipeline_capacity, pipeline_overhead
 
 
 @dataclass

@@ -31,7 +31,9 @@ from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.planners.batch_prep import BatchPrep, TypeOnBatch, screen, type_order
-from dcp_ext.planning.planners.common import PlanningError, TypeTable, canonical, doc_costs, pipeline_capacity
+from dcp_ext.planning.layout import canonical
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.tables import TypeTable, doc_costs, pipeline_capacity
 
 BIG = 1e30
 

@@ -39,14 +39,10 @@ from dcp_ext.planning.cost_model import next_pow2
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
-from dcp_ext.planning.planners.common import (
-    PlanningError,
-    finish_replica,
-    first_fit_decreasing,
-    make_type_table,
-    sample_batches,
-    to_iteration_plan,
-)
+from dcp_ext.planning.batching import sample_batches
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.packing import finish_replica, first_fit_decreasing, to_iteration_plan
+from dcp_ext.planning.planners.tables import make_type_table
 from dcp_ext.planning.planners.doc_memory import bin_check
 
 

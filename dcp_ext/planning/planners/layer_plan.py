@@ -43,7 +43,9 @@ from dcp_ext.planning.layer_cost import LayerPrices, layer_local_params, refacto
 from dcp_ext.planning.layer_memory import replica_peak_v2
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import LayerStrategy
-from dcp_ext.planning.planners.common import PackedReplica, PlanningError, TypeTable
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.packing import PackedReplica
+from dcp_ext.planning.planners.tables import TypeTable
 from dcp_ext.planning.simulator import one_f_one_b_stages
 
 

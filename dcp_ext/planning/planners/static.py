@@ -26,14 +26,10 @@ import numpy as np
 from dcp_ext.planning.layout import Layout
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
-from dcp_ext.planning.planners.common import (
-    PackedReplica,
-    PlanningError,
-    first_fit_decreasing,
-    place,
-    sample_batches,
-    to_iteration_plan,
-)
+from dcp_ext.planning.batching import sample_batches
+from dcp_ext.planning.layout import place
+from dcp_ext.planning.planners.errors import PlanningError
+from dcp_ext.planning.planners.packing import PackedReplica, first_fit_decreasing, to_iteration_plan
 from dcp_ext.planning.planners.doc_memory import bin_check
 from dcp_ext.planning.simulator import one_f_one_b
 

@@ -54,7 +54,7 @@ def _local_copies(runs: tuple[Runs, ...], start: int, end: int) -> list[Copy]:
 
 
 def _shard_copies(runs: tuple[Runs, ...], piece) -> list[Copy]:
-    return [Copy(piece.offset + c.canon - piece.start, c.length, c.count, c.canon_step)
+    return [Copy(piece.at(c.canon), c.length, c.count, c.canon_step)
             for r in runs for c in r.clip(piece.start, piece.end)]
 
 

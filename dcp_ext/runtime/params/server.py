@@ -9,7 +9,7 @@ no stage: a layout reaches it as every rank's runs (`layout_plan`), buffers as t
 
 The bucket order rule lives here: every rank takes part in every bucket's transfer, in
 the same order (pull from the first bucket, push from the last), whatever its stage
-needs; `streams.PullStream` / `PushStream` hold it and tests/test_param_streams.py checks
+needs; `streams.PullStream` / `PushStream` hold it and tests/runtime/test_param_streams.py checks
 it on a fake exchange.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ParameterServer:
                     values = init_values(t.name, c, min(INIT_CHUNK, t.offset + t.numel - c0), seed, std,
                                          self.num_layers, norm_init=self.norm_init)
                     a, b = max(lo, c0), min(hi, c0 + values.numel())
-                    shard[piece.offset + a - piece.start : piece.offset + b - piece.start] = values[a - c0 : b - c0]
+                    shard[piece.local(a, b)] = values[a - c0 : b - c0]
         return shard
 
     def decay_runs(self) -> list[tuple[int, int, bool, bool]]:
@@ -71,7 +71,7 @@ class ParameterServer:
             for s, e, nwd, dec in flags:
                 lo, hi = max(s, piece.start), min(e, piece.end)
                 if lo < hi:
-                    out.append((piece.offset + lo - piece.start, piece.offset + hi - piece.start, nwd, dec))
+                    out.append((piece.at(lo), piece.at(hi), nwd, dec))
         merged = []
         for run in out:
             if merged and merged[-1][2:] == run[2:] and merged[-1][1] == run[0]:
@@ -100,7 +100,7 @@ class ParameterServer:
         send = torch.zeros(max(sizes), dtype=shard.dtype, device=shard.device)
         o = 0
         for piece, lo, hi in pieces[self.rank]:
-            send[o : o + hi - lo] = shard[piece.offset + lo - piece.start : piece.offset + hi - piece.start]
+            send[o : o + hi - lo] = shard[piece.local(lo, hi)]
             o += hi - lo
         parts = [torch.empty_like(send) for _ in range(self.world)] if self.rank == dst else None
         dist.gather(send, parts, dst=dst)

@@ -42,6 +42,14 @@ class Piece:
     def numel(self) -> int:
         return self.end - self.start
 
+    def at(self, position: int) -> int:
+        """Where canonical `position` (within this piece) lies in its rank's shard."""
+        return self.offset + position - self.start
+
+    def local(self, lo: int, hi: int) -> slice:
+        """Where canonical [lo, hi) (within this piece) lies in its rank's shard."""
+        return slice(self.at(lo), self.at(hi))
+
 
 class FixedSharding:
     def __init__(self, numel: int, world: int, bucket_numel: int | None = None):

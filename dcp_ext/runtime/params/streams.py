@@ -92,7 +92,7 @@ class PushStream:
         completed depends on timing, so freeing one when it happened to be done would issue
         the next bucket at a different point on each rank: on NCCL, ranks that issue their
         collectives over two communicators in different orders can hang each other
-        (tests/test_device_paths.py checks the order)."""
+        (tests/runtime/test_device_paths.py checks the order)."""
         slots = self.exchange.num_slots
         while self.next >= 0 and (force or self.pending[self.next] <= 0):
             if len(self.inflight) == slots:

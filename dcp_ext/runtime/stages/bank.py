@@ -122,7 +122,7 @@ class StageBank:
         whether or not this rank sends it (a TP replica of a norm is sent by TP rank 0
         only). So a bucket goes out at the same point of the backward on every rank of a
         replica, which NCCL needs: ranks must issue their collectives over two communicators
-        in one order (tests/test_device_paths.py checks it)."""
+        in one order (tests/runtime/test_device_paths.py checks it)."""
         t = self.space.tensors[lp.canonical]
         return sorted(self.sharding.buckets_of(t.offset, t.offset + t.numel))
 
