@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 
+from megatron.training import stop_signals
 from megatron.training.checkpoint_protocol import CheckpointError
 
 LOCK_NAME = "checkpoint.lock"
@@ -303,58 +302,19 @@ def release() -> None:
             pass
 
 
+stop_signals.at_sigterm(release)  # a SIGTERM gives the lock back before the rank dies
+
+
 # ------------------------------------------------------------------ SIGTERM
-SIGTERM_LINE = ("error: stopped by SIGTERM: torchrun stops every rank when one fails (its report follows), or the "
-                "job was cancelled; rerun to resume from the last checkpoint")
-
-
-_reason_given = False
-
-
-def reason_given() -> None:
-    """This rank has printed why it stops: a SIGTERM that arrives while it exits (torchrun
-    stopping the survivors) adds no second line."""
-    global _reason_given
-    _reason_given = True
-
-
-def _on_sigterm(signum, frame) -> None:
-    """Say why in one line (a rank waiting on its own work, e.g. its next plan, is stopped
-    by torchrun before a collective could tell it a peer died) unless it already said why,
-    give the lock back, then die of the signal as if no handler were installed."""
-    if not _reason_given:
-        try:
-            sys.stderr.write(SIGTERM_LINE + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-    release()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def say_why_on_sigterm() -> bool:
-    """Every rank, at start: SIGTERM (torchrun stopping the ranks after one failed, or a
-    cancelled job) prints one line, gives back a lock held by then, and kills as the default
-    does (`_on_sigterm`); only where nothing else handles it (`--exit-signal-handler` installs
-    its own during training and restores this one after). True when it installed it."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return False
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.siginterrupt(signal.SIGTERM, False)  # a blocking collective resumes instead of failing with EINTR
-    return True
-
-
 def _release_on_sigterm(held: _Held) -> None:
     """SIGTERM's default kills without running any Python: hook it on rank 0 where nothing
     has yet (a caller of `acquire` other than `pretrain`, which hooks every rank at start)."""
-    held.on_sigterm = say_why_on_sigterm()
+    held.on_sigterm = stop_signals.say_why_on_sigterm()
 
 
 def _restore_sigterm(held: _Held) -> None:
-    if held.on_sigterm and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if held.on_sigterm:
+        stop_signals.uninstall()
 
 
 # ------------------------------------------------------------------ the job

@@ -181,7 +181,7 @@ class Heartbeat:
         after LAUNCHER_GRACE_S."""
         import _thread
 
-        from megatron.training import checkpoint_lock
+        from megatron.training import checkpoint_lock, stop_signals
 
         self.stop_line = (f"the launcher of this node (torchrun, pid {self.launcher_pid}) is gone: rank {self.rank} "
                           "stops (nothing would restart, stop or report it); see why the launcher died (killed, "
@@ -192,7 +192,7 @@ class Heartbeat:
             print(f"{prefix}error: {self.stop_line}", file=sys.stderr, flush=True)
         except (OSError, ValueError):
             pass
-        checkpoint_lock.reason_given()
+        stop_signals.reason_given()
         _thread.interrupt_main()
         time.sleep(LAUNCHER_GRACE_S)
         checkpoint_lock.release()

@@ -27,7 +27,6 @@ from megatron.training.initialize import (
     shutdown_distributed,
     initialize_model_parallel,
     print_rank_0,
-    print_rank_last,
     set_random_seed,
 )
 from megatron.training.data_workers import WorkerBatches
@@ -146,9 +145,9 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
         names_its_rank = message.startswith(f"rank {rank} ")
         prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-    from megatron.training import checkpoint_lock
+    from megatron.training import stop_signals
 
-    checkpoint_lock.reason_given()
+    stop_signals.reason_given()
     if not speaks:
         # a silent rank that exits first makes torchrun stop rank 0 (SIGTERM) before it
         # prints the line: leave rank 0 the time to print and exit first (torchrun then
@@ -179,9 +178,9 @@ def pretrain(
     except ArgumentError as e:
         _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
-    from megatron.training import checkpoint_lock
+    from megatron.training import stop_signals
 
-    checkpoint_lock.say_why_on_sigterm()  # a rank stopped by torchrun says so in one line
+    stop_signals.say_why_on_sigterm()  # a rank stopped by torchrun says so in one line
     try:
         logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                            document_datasets_provider)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from megatron.training import checkpoint_lock as lock
+from megatron.training import stop_signals
 from megatron.training.checkpoint_lock import LOCK_NAME, CheckpointLockError
 from tests.conftest import TINY_MODEL
 from tests.support.helpers import kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
@@ -189,13 +190,13 @@ def test_acquire_refuses_with_the_holders_line(tmp_path):
 
 def test_sigterm_gives_the_lock_back_then_dies_of_it(tmp_path, monkeypatch):
     killed = []
-    monkeypatch.setattr(lock.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(stop_signals.os, "kill", lambda pid, sig: killed.append((pid, sig)))
     previous = signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         lock.acquire(argparse.Namespace(save=str(tmp_path)))
-        assert signal.getsignal(signal.SIGTERM) is lock._on_sigterm
-        lock._on_sigterm(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) is stop_signals.on_sigterm
+        stop_signals.on_sigterm(signal.SIGTERM, None)
         assert not os.path.exists(tmp_path / LOCK_NAME)
         assert killed == [(os.getpid(), signal.SIGTERM)]
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -207,16 +208,16 @@ def test_sigterm_gives_the_lock_back_then_dies_of_it(tmp_path, monkeypatch):
 def test_sigterm_says_why_unless_the_rank_already_did(said_why, monkeypatch, capsys):
     """A rank that printed its error line and is stopped by torchrun while it exits adds no
     second line; one stopped with nothing said prints the SIGTERM line."""
-    monkeypatch.setattr(lock.os, "kill", lambda pid, sig: None)
-    monkeypatch.setattr(lock, "_reason_given", False)
+    monkeypatch.setattr(stop_signals.os, "kill", lambda pid, sig: None)
+    monkeypatch.setattr(stop_signals, "_reason_given", False)
     previous = signal.getsignal(signal.SIGTERM)
     try:
         if said_why:
-            lock.reason_given()
-        lock._on_sigterm(signal.SIGTERM, None)
+            stop_signals.reason_given()
+        stop_signals.on_sigterm(signal.SIGTERM, None)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert capsys.readouterr().err == ("" if said_why else lock.SIGTERM_LINE + "\n")
+    assert capsys.readouterr().err == ("" if said_why else stop_signals.SIGTERM_LINE + "\n")
 
 
 # ------------------------------------------------------------------------------ real jobs
@@ -348,11 +349,11 @@ def test_a_quiet_rank_leaves_rank_0_the_time_to_print_the_error(rank, speaks, mo
     """A flag error every rank meets prints once, on rank 0. A silent rank that exited at
     once made torchrun stop rank 0 before its line came out (CI saw a run with no line):
     the silent rank now waits, rank 0 does not."""
-    from megatron.training import checkpoint_lock, training
+    from megatron.training import stop_signals, training
 
     slept = []
     monkeypatch.setattr("time.sleep", slept.append)
-    monkeypatch.setattr(checkpoint_lock, "_reason_given", False)
+    monkeypatch.setattr(stop_signals, "_reason_given", False)
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_:
@@ -363,4 +364,4 @@ def test_a_quiet_rank_leaves_rank_0_the_time_to_print_the_error(rank, speaks, mo
     assert (err == "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2\n") == speaks
     assert (err == "") == (not speaks)
     assert slept == ([] if speaks else [training.QUIET_RANK_GRACE_S])
-    assert checkpoint_lock._reason_given  # torchrun's SIGTERM adds no line
+    assert stop_signals.was_reason_given()  # torchrun's SIGTERM adds no line
