@@ -21,7 +21,7 @@ def model_provider(config, pre_process: bool = True, post_process: bool = True, 
     """megatron-core GPTModel for one pipeline stage (TE layers on GPUs, ours on CPUs)."""
     from dcp_ext.runtime.stages.model import build_gpt_model
     from megatron.training.global_vars import get_args
-    from megatron.training.model_flags import Machine, uses_transformer_engine
+    from megatron.training.flags.model_flags import Machine, uses_transformer_engine
 
     args = get_args()
     use_te = uses_transformer_engine(args, Machine.here())  # --transformer-impl, --attention-backend local
@@ -109,7 +109,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    from megatron.training.batches import get_batch
+    from megatron.training.loop.batches import get_batch
 
     batch = get_batch(data_iterator, model)  # on the model's device
     output = model(

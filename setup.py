@@ -57,7 +57,7 @@ setup(
         "console_scripts": [
             "dcp-plan=dcp_ext.cli.plan:main",
             "dcp-simulate=dcp_ext.cli.simulate:main",
-            "dcp-profile=megatron.training.profiling:main",
+            "dcp-profile=megatron.training.adaptive.profiling:main",
             "dcp-preprocess-data=dcp_ext.data.preprocess:main",
             "dcp-dataset-stats=dcp_ext.data.stats_report:main",
         ]

@@ -2,7 +2,7 @@
 against a checkout of the code before them (issue 37), wall clock of the whole command.
 
 Why it exists: every save now hashes every file it wrote (sha256, `checksums.json`) and every
-load reads each file once to check it before training (megatron/training/checkpoint_checksums.py).
+load reads each file once to check it before training (megatron/training/checkpoint/checksums.py).
 The demo's checkpoint is small, so the ratio mostly shows that the check is lost in a run's
 start-up (and in the machine's noise); the checks' own time is printed beside it: the load's
 as the run reports it, the save's as `write_checksums` takes on the whole folder in one process.
@@ -95,7 +95,7 @@ def run(tree: str, cmd: list[str]) -> tuple[float, float | None]:
 def save_hash_seconds(folder: str) -> tuple[float, int]:
     """What a save adds, at most: write_checksums on the whole folder in one process (from the
     page cache; in a run each rank hashes only the shards it wrote)."""
-    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, write_checksums
+    from megatron.training.checkpoint.checksums import CHECKSUM_FILE, write_checksums
 
     os.remove(os.path.join(folder, CHECKSUM_FILE))
     start = time.perf_counter()

@@ -35,7 +35,7 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 from dcp_ext.cli import profile as harness  # noqa: E402
-from megatron.training import profiling  # noqa: E402
+from megatron.training.adaptive import profiling  # noqa: E402
 from dcp_ext.planning.cost_model import CostModel, Layout  # noqa: E402
 from dcp_ext.planning.profile import Profile, fit_profile  # noqa: E402
 from dcp_ext.planning.specs import ModelSpec  # noqa: E402

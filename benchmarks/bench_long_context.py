@@ -9,7 +9,7 @@ It asserts nothing (benchmarks print, tests assert).
 
 Default: llama2-7b on h200x64, 16M-token batches, documents up to 640Ki tokens
 (benchmarks/data/long_context_mix.txt, written by tools/long_context_lengths.py), every
-batch of the file; static (the best single layout), dynamic-cp, dcp, hydraulis, adaptive,
+batch of the file; static (the best single layout), dynamic-cp, cp-buckets, hydraulis, adaptive,
 and adaptive with --dcp-layer-strategies on / --dcp-uneven-stages on / both, plus
 --dcp-uneven-stages even (the even split written explicitly, so every stage is priced on
 its own: the control that separates what the per-stage pricing does from what the
@@ -41,7 +41,7 @@ from dcp_ext.data.lengths import DATA_DIR  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 LONG = os.path.join(ROOT, "benchmarks", "data", "long_context_mix.txt")
-BASELINES = "static,dynamic-cp,dcp,hydraulis,adaptive"
+BASELINES = "static,dynamic-cp,cp-buckets,hydraulis,adaptive"
 # (label, --dcp-layer-strategies, --dcp-uneven-stages)
 VARIANTS = [("adaptive", "off", "off"), ("adaptive +layers", "on", "off"), ("adaptive +uneven", "off", "on"),
             ("adaptive +layers +uneven", "on", "on"), ("adaptive, even stages priced per stage", "off", "even")]

@@ -276,7 +276,7 @@ def cost_model(a, vocab_size: int, budget_bytes: float, tp_for_vocab: int):
     from dcp_ext.data.tokenizers import padded_vocab_size
     from dcp_ext.planning.cost_model import CostModel
     from dcp_ext.planning.specs import ClusterSpec
-    from megatron.training.run_config import AdaptiveRunConfig
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
 
     a.padded_vocab_size = padded_vocab_size(vocab_size, a.make_vocab_size_divisible_by, tp_for_vocab)
     cluster = ClusterSpec.cpu_gloo(WORLD).with_(memory_bytes=float(budget_bytes), reserved_bytes=0.0)
@@ -339,8 +339,8 @@ def plan_dcp_static(s: Setting, data: Data, kernel: str, args) -> list[Candidate
     from dcp_ext.planning.planners.errors import PlanningError
     from dcp_ext.planning.specs import ClusterSpec
     from megatron.training.arguments import ArgumentError, memory_size
-    from megatron.training.run_config import AdaptiveRunConfig
-    from megatron.training.training_adaptive import vocab_padding_for
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
+    from megatron.training.adaptive.training_adaptive import vocab_padding_for
 
     budget = memory_size(s.budget)
     prefix = data.flags[data.flags.index("--data-path") + 1]
@@ -390,7 +390,7 @@ def launch(name: str, flags: list[str], nproc: int, work: str, timeout: float, n
     """One torchrun of pretrain_gpt_dcp.py: its log lines, memory line, per-rank VmHWM (outside), wall clock."""
     from bench_memory import descendants, worker_rank
     from dcp_ext.runtime.device_memory import peak_rss_bytes
-    from megatron.training.memory_report import parse_memory_line
+    from megatron.training.loop.memory_report import parse_memory_line
 
     run = Run(name, flags)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -54,7 +54,7 @@ def main() -> int:
             args = argparse.Namespace(
                 lengths=path, model=model, cluster=cluster, global_batch_tokens=4 * 2**20, max_seq_len=131072,
                 iterations=iters, start=0, profile=None, memory_margin=0.1, seed=0, quiet=True,
-                planners="adaptive,static,dynamic-cp,dcp,hydraulis", timeline=None, timeline_planner="adaptive",
+                planners="adaptive,static,dynamic-cp,cp-buckets,hydraulis", timeline=None, timeline_planner="adaptive",
                 timeline_iteration=0,
             )
             t0 = time.time()

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
-    from megatron.training.run_config import AdaptiveRunConfig
-    from megatron.training.training_adaptive import cluster_for
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
+    from megatron.training.adaptive.training_adaptive import cluster_for
     from megatron.training.training import transformer_config_from_args
 
     args = parse_args(argv + ["--dcp", "--dcp-global-batch-tokens", str(2 * max(TOKENS))], world_size=1)

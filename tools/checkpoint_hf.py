@@ -208,7 +208,7 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
     import torch
     from megatron.core import parallel_state
 
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
     from megatron.training import global_vars
     from megatron.training.training import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
@@ -231,7 +231,7 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
 
 def check_save(save: str) -> None:
     from dcp_ext.cli.boundary import check_output
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
 
     if os.path.lexists(save) and not os.path.isdir(save):
         raise HFError(f"--save {save}: is a file, not a directory; point --save to a directory")
@@ -284,8 +284,8 @@ def find_base(load: str, saved) -> str | None:
 
 def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
     """({our name: fp32 tensor}, stored args, checkpoint folder) of a static or --dcp checkpoint."""
-    from megatron.training import checkpoint_protocol as ckpt
-    from megatron.training.checkpoint_inspector import open_checkpoint
+    from megatron.training.checkpoint import protocol as ckpt
+    from megatron.training.checkpoint.inspector import open_checkpoint
 
     if not os.path.isdir(load):
         raise HFError(f"--load {load}: no such directory")
@@ -309,7 +309,7 @@ def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
         return _read_dcp(path, common), saved, path
     from megatron.core import dist_checkpointing
 
-    from megatron.training.checkpointing_adaptive import read_static
+    from megatron.training.checkpoint.checkpointing_adaptive import read_static
 
     rows = tuple(dist_checkpointing.load_tensors_metadata(path)["embedding.word_embeddings.weight"].global_shape)[0]
     return read_static(path, canonical_shapes(shape, rows)), saved, path
@@ -319,8 +319,8 @@ def _read_dcp(path: str, common: dict) -> dict:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron.training.checkpoint_inspector import load_or_explain
-    from megatron.training.checkpointing_adaptive import local_name
+    from megatron.training.checkpoint.inspector import load_or_explain
+    from megatron.training.checkpoint.checkpointing_adaptive import local_name
 
     request = {n: ShardedTensor.from_rank_offsets("dcp.param." + n, torch.empty(s), replica_id=0)
                for n, s in common["canonical"]}
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
-        from megatron.training.checkpoint_protocol import CheckpointError
+        from megatron.training.checkpoint.protocol import CheckpointError
 
         try:
             opts = parse(argv)

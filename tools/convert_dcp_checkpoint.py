@@ -16,7 +16,7 @@ How: T*P gloo ranks on the CPU, GPUs hidden (spawned by this script, or the rank
 path's model), map every local parameter into the canonical space with
 `dcp_ext.runtime.params.param_map.map_stage` (the same map the adaptive runtime pulls with), fill
 it from the checkpoint's canonical tensors, and save with
-`megatron.training.checkpoint_protocol.save_sharded_atomic` (the tracker only ever names a
+`megatron.training.checkpoint.protocol.save_sharded_atomic` (the tracker only ever names a
 complete export).
 
 What is written: the model only (`args`, `checkpoint_version`, `iteration`,
@@ -95,7 +95,7 @@ def check_destination(save: str, iteration: int, force: bool) -> None:
     """Refuse an export that would damage what `save` holds: any checkpoint there without
     --force; with --force, one whose tracker names a newer iteration than `iteration`."""
     from dcp_ext.cli.boundary import check_output
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
     from megatron.training.arguments import ArgumentError
 
     if os.path.lexists(save) and not os.path.isdir(save):
@@ -122,7 +122,7 @@ def check_destination(save: str, iteration: int, force: bool) -> None:
 
 
 def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
 
     if not os.path.isdir(load):
         raise ConversionError(f"--load {load}: no such directory")
@@ -165,13 +165,13 @@ def load_common(path: str) -> dict:
 
 def megatron_args(opts, rest: list[str], common: dict) -> argparse.Namespace:
     """Megatron flags for the static model at (T, P): checkpoint args < --yaml-cfg < command line."""
-    from megatron.training.argument_yaml import dest_names as _dest_names
+    from megatron.training.flags.argument_yaml import dest_names as _dest_names
     from megatron.training.arguments import ArgumentError, build_parser, fill_derived, parse_flags, validate_args
 
     parser = build_parser()
     dests = _dest_names(parser)
     saved = vars(common.get("args") or argparse.Namespace())
-    from megatron.training.upstream_flags import is_table_flag
+    from megatron.training.flags.upstream_flags import is_table_flag
 
     parser.set_defaults(**{k: v for k, v in saved.items()
                            if k in dests and k != "yaml_cfg" and not is_table_flag(dests[k])})
@@ -243,9 +243,9 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
     from megatron.training import global_vars
-    from megatron.training.checkpointing_adaptive import ShapesOnly, local_name
+    from megatron.training.checkpoint.checkpointing_adaptive import ShapesOnly, local_name
     from megatron.training.training import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
@@ -381,7 +381,7 @@ def _free_port() -> int:
 
 
 def _tracker_or_none(root: str):
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
 
     try:
         return ckpt.read_tracker(root)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # spawned ranks start quiet too
     from dcp_ext.cli.boundary import run_tool
     from megatron.training.arguments import ArgumentError
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], under_torchrun: bool, rank: int) -> int:
     from megatron.training.arguments import ArgumentError
 
-    from megatron.training.checkpoint_inspector import inspect_checkpoint, verify_checkpoint
+    from megatron.training.checkpoint.inspector import inspect_checkpoint, verify_checkpoint
 
     opts, rest = parse_options(argv)
     path, iteration = resolve_source(opts.load, opts.iteration)

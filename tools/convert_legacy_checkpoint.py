@@ -78,7 +78,7 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
 
 def resolve_source(load: str, iteration: int | None) -> tuple[str, int]:
     """(the legacy checkpoint's folder, its iteration; 0 for a release checkpoint)."""
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
 
     if not os.path.isdir(load):
         raise ConversionError(f"--load {load}: no such directory")
@@ -116,7 +116,7 @@ def _tracker_text(path: str) -> str | None:
 
 def rank_files(folder: str) -> tuple[dict[tuple[int, int], str], int, int]:
     """{(tp rank, pp rank): model_optim_rng.pt}, tp size, pp size; every rank of the grid present."""
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
 
     shards = ckpt.legacy_shards(folder)
     if not shards:
@@ -262,7 +262,7 @@ def local_names(state: dict) -> dict:
     """A stage's state in the local layers' names: transformer-engine's fused layer norms
     (linear_qkv.layer_norm_*, linear_fc1.layer_norm_*) under input/pre_mlp_layernorm, no
     `_extra_state` (fp8 metadata; nothing the weights need)."""
-    from megatron.training.checkpointing_adaptive import local_name
+    from megatron.training.checkpoint.checkpointing_adaptive import local_name
 
     return {local_name(k): v for k, v in state.items() if not k.endswith("_extra_state")}
 
@@ -362,7 +362,7 @@ def convert(opts) -> tuple[argparse.Namespace, int, int, int, int]:
     """Read, join, save; returns (the checkpoint's args, iteration, tp, pp, vocabulary rows)."""
     import torch
 
-    from megatron.training import checkpoint_protocol as ckpt
+    from megatron.training.checkpoint import protocol as ckpt
     from tools.convert_dcp_checkpoint import check_destination
 
     folder, iteration = resolve_source(opts.load, opts.iteration)
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.ERROR)
     from dcp_ext.cli.boundary import run_tool
     from megatron.training.arguments import ArgumentError
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_tool(lambda: _main(argv), errors={ArgumentError: 2, ConversionError: 1, CheckpointError: 1},

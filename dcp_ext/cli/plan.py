@@ -19,7 +19,7 @@ from dcp_ext.cli.common import (Parser, add_common_args, batches, cluster_spec, 
                                 planner_options, run_tool, validate_common_args)
 from dcp_ext.data.progress import Progress
 from dcp_ext.planning.plan import Plan, validate_iteration
-from dcp_ext.planning.planner import PLANNERS, make_planner
+from dcp_ext.planning.planner import OLD_NAMES, PLANNERS, make_planner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     p = Parser(prog="dcp-plan", description=__doc__.split("\n\n")[0])
     add_common_args(p)
-    p.add_argument("--planner", default="adaptive", choices=PLANNERS)
+    p.add_argument("--planner", default="adaptive", choices=PLANNERS + tuple(OLD_NAMES))
     p.add_argument("--out", required=True, help="plan JSON to write")
     args = p.parse_args(argv)
     validate_common_args(args)

@@ -33,7 +33,7 @@ How it measures (CPU: gloo ranks, one thread each; CUDA: one rank per GPU, NCCL)
   * waiting ranks block in gloo without spinning, so they take no core from the timed ones.
 The Megatron side (its argument parser and tokenizer, the TransformerConfig builder, the
 cluster `--dcp` training assumes) is handed in as a `TrainingSide` by the entry point,
-`megatron/training/profiling.py` (the `dcp-profile` command): `dcp_ext` never imports
+`megatron/training/adaptive/profiling.py` (the `dcp-profile` command): `dcp_ext` never imports
 `megatron.training`.
 """
 from __future__ import annotations

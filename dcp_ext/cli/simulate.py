@@ -22,7 +22,7 @@ from dcp_ext.cli.common import (CLIError, Parser, add_common_args, batches, clus
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.data.progress import Progress
 from dcp_ext.planning.plan import validate_iteration
-from dcp_ext.planning.planner import PLANNERS, make_planner
+from dcp_ext.planning.planner import OLD_NAMES, PLANNERS, make_planner
 from dcp_ext.planning.planners.errors import PlanningError
 from dcp_ext.planning.simulator import lower_bound, simulate_iteration
 
@@ -31,7 +31,7 @@ def run(args) -> dict:
     lengths = load_lengths(args.lengths)
     truncated = np.minimum(lengths, args.max_seq_len)
     model, cluster = model_spec(args.model), cluster_spec(args.cluster)
-    names = [n.strip() for n in args.planners.split(",") if n.strip()]
+    names = [OLD_NAMES.get(n.strip(), n.strip()) for n in args.planners.split(",") if n.strip()]
     for n in names:
         if n not in PLANNERS:
             raise CLIError(f"--planners: unknown planner {n!r}; choose from {', '.join(PLANNERS)}")

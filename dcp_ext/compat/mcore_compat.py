@@ -154,7 +154,7 @@ def ensure_global_memory_buffer() -> None:
 
 def read_checkpoints_as_data_only() -> None:
     """Install the three redirects below (idempotent). Called by `install()` and by
-    `megatron.training.checkpoint_inspector` before it reads a checkpoint."""
+    `megatron.training.checkpoint.inspector` before it reads a checkpoint."""
     _read_index_as_data()
     _read_stored_objects_as_data()
     _read_common_state_as_data()

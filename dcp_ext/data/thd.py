@@ -14,7 +14,7 @@ Conventions (fixed with the runtime):
   `pad_total_to` (tp with sequence parallel) pads the pack: the extra tokens extend the
   last document's padding, so every padded document length stays a multiple of
   `pad_each_to` and the total is a multiple of lcm(pad_each_to, pad_total_to).
-  (`pack` is the one packer; the fixed-length path, megatron/training/batches.py, calls it
+  (`pack` is the one packer; the fixed-length path, megatron/training/loop/batches.py, calls it
   with its own padding rule: see `pack`.)
 - Padding positions: token and label `pad_id`, position ids counting from 0 again
   (0, 1, ...): no real token sees them, and they stay small (safe for learned

@@ -137,7 +137,7 @@ class MemoryAccounting:
         e = m.activation_bytes
         h, f, kv, d, heads = m.hidden_size, m.ffn_hidden_size, m.kv_size, m.head_dim, m.num_attention_heads
         sp = t if (t == 1 or m.sequence_parallel) else 1
-        # Which kernels the layers run: what the engine builds, as megatron/training/run_config.py
+        # Which kernels the layers run: what the engine builds, as megatron/training/adaptive/run_config.py
         # records it in the ModelSpec (model_flags.uses_transformer_engine and config_fields):
         # - layer_kernels "local" (no transformer-engine: CPU ranks, and GPUs without TE or with
         #   --transformer-impl local / --attention-backend local): dcp_ext.runtime.stages.model's

@@ -15,11 +15,13 @@ from dcp_ext.planning.layout import ReplicaType
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.errors import PlanningError
 from dcp_ext.planning.planners.tables import make_type_table
-from dcp_ext.planning.planners.dynamic_cp import DCPPlanner, DynamicCPPlanner
+from dcp_ext.planning.planners.dynamic_cp import CPBucketsPlanner, DynamicCPPlanner
 from dcp_ext.planning.planners.static import StaticPlanner
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec
 
-PLANNERS = ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis")
+PLANNERS = ("adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis")
+# names a planner had before: still accepted (`--dcp-planner dcp` says in one line what it is now)
+OLD_NAMES = {"dcp": "cp-buckets", "dynamic_cp": "dynamic-cp"}
 
 __all__ = ["PLANNERS", "PlannerBase", "PlanningError", "ReplicaType", "make_planner", "HydraulisPlanner"]
 
@@ -57,7 +59,8 @@ def make_planner(
     progress: bool = False,
     **options: Any,
 ) -> PlannerBase:
-    """A planner by name: "adaptive" | "static" | "dynamic-cp" | "dcp" | "hydraulis".
+    """A planner by name: "adaptive" | "static" | "dynamic-cp" | "cp-buckets" | "hydraulis"
+    (or one of `OLD_NAMES`).
 
     length_sample: lengths from the dataset (any order), for the histogram the candidate
     layouts and the baselines' fixed settings are chosen from. profile: None, a Profile,
@@ -65,12 +68,12 @@ def make_planner(
     kept free. Extra keyword options go to the planner class.
     """
     key = name.strip().lower()
+    key = OLD_NAMES.get(key, key)
     classes = {
         "adaptive": AdaptivePlanner,
         "static": StaticPlanner,
         "dynamic-cp": DynamicCPPlanner,
-        "dynamic_cp": DynamicCPPlanner,
-        "dcp": DCPPlanner,
+        "cp-buckets": CPBucketsPlanner,
         "hydraulis": HydraulisPlanner,
     }
     if key not in classes:

@@ -181,7 +181,7 @@ class ModelSpec:
     sequence_parallel: bool = True  # with tp > 1
     hidden_dropout: bool = False  # keeps 1-byte masks per dropout site when True
     cpu_attention: str = "math"  # local layers' document attention (--dcp-cpu-attention): "math" keeps probabilities
-    # The kernels the layers run (megatron/training/run_config.py sets them from what the engine builds);
+    # The kernels the layers run (megatron/training/adaptive/run_config.py sets them from what the engine builds);
     # None, in all three: by the cluster, as presets and earlier plan files are priced (cost_memory.act_terms).
     layer_kernels: str | None = None  # "te": transformer-engine layers; "local": megatron-core's local spec
     #                                   with our document attention and torch norms (CPU ranks, GPUs without TE)

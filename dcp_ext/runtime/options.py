@@ -2,7 +2,7 @@
 
 Why it exists: the engine used to take nineteen keyword arguments, the optimizer's two
 ways. The training loop builds this record once from the validated flags (the run
-configuration, `megatron/training/run_config.py`), tests build it directly; every part of
+configuration, `megatron/training/adaptive/run_config.py`), tests build it directly; every part of
 the runtime reads its own fields from it and nothing writes it afterwards.
 """
 from __future__ import annotations

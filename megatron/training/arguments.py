@@ -14,12 +14,12 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from megatron.training import flag_refusals, loop_flags, sft_flags
-from megatron.training.argument_checks import check_ranges, validate_args
-from megatron.training.argument_errors import ArgumentError
-from megatron.training.argument_yaml import load_yaml_defaults
-from megatron.training.model_flags import add_model_flags
-from megatron.training.upstream_flags import add_upstream_flags
+from megatron.training.flags import flag_refusals, loop_flags, sft_flags
+from megatron.training.flags.argument_checks import check_ranges, validate_args
+from megatron.training.flags.argument_errors import ArgumentError
+from megatron.training.flags.argument_yaml import load_yaml_defaults
+from megatron.training.flags.model_flags import add_model_flags
+from megatron.training.flags.upstream_flags import add_upstream_flags
 
 # what callers import from here (ArgumentError and validate_args are defined in argument_errors and
 # argument_checks, which this module imports)
@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("adaptive parallelism (this fork)")
     g.add_argument("--dcp", action="store_true", help="plan the layout per iteration from the data")
-    g.add_argument("--dcp-planner", choices=["adaptive", "static", "dynamic-cp", "dcp", "hydraulis"], default="adaptive")
+    g.add_argument("--dcp-planner", choices=["adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis", "dcp"],
+                   default="adaptive", help="dcp: the old name of cp-buckets, still accepted")
     g.add_argument("--dcp-global-batch-tokens", type=int, default=None,
                    help="tokens per global batch (default: --global-batch-size x --seq-length)")
     g.add_argument("--dcp-max-seq-len", type=int, default=None, help="default: --seq-length")
@@ -232,7 +233,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = world_size_from_env(os.environ)
     args.world_size = world_size
-    from megatron.training.checkpoint_protocol import use_pretrained_checkpoint
+    from megatron.training.checkpoint.protocol import use_pretrained_checkpoint
 
     use_pretrained_checkpoint(args)  # --pretrained-checkpoint: --load DIR --finetune while --load holds none
     loop_flags.apply_checkpoint_args(args)  # --use-checkpoint-args: model flags from --load's checkpoint

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from dcp_ext.compat import mcore_compat
-from megatron.training.checkpoint_inspector import check_saved_parts, load_or_explain, open_checkpoint
-from megatron.training.checkpoint_protocol import (CHECKPOINT_VERSION, CheckpointError, common_args,
+from megatron.training.checkpoint.inspector import check_saved_parts, load_or_explain, open_checkpoint
+from megatron.training.checkpoint.protocol import (CHECKPOINT_VERSION, CheckpointError, common_args,
                                                    resolve_load_dir, save_sharded_atomic)
 from megatron.training.initialize import print_rank_0
-from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
+from megatron.training.checkpoint.resume_checks import check_model_args, reconcile_lr_schedule
 
 
 def rng_state() -> dict:
@@ -108,7 +108,7 @@ CONTENT_METADATA = {**OPTIMIZER_METADATA, "singleton_local_shards": False}
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
-    from megatron.training.finite_weights import refuse_nonfinite
+    from megatron.training.checkpoint.finite_weights import refuse_nonfinite
 
     refuse_nonfinite(unwrap(model).parameters(), iteration, args.save)
     model_sd = unwrap(model).sharded_state_dict()
@@ -227,7 +227,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
             raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
                                   "start from its weights with --finetune, or export it with "
                                   "tools/convert_dcp_checkpoint.py")
-        from megatron.training.checkpointing_adaptive import load_dcp_weights  # weights only (issue 28)
+        from megatron.training.checkpoint.checkpointing_adaptive import load_dcp_weights  # weights only (issue 28)
 
         load_dcp_weights(args, unwrap(model), path, common)
         if args.bf16 or args.fp16:

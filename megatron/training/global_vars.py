@@ -23,7 +23,7 @@ def build_tokenizer(args):
 
     tokenizer_type = args.tokenizer_type or ("ByteLevelTokenizer" if args.demo_corpus else "NullTokenizer")
     if tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        from megatron.training.argument_errors import ArgumentError
+        from megatron.training.flags.argument_errors import ArgumentError
 
         raise ArgumentError(missing_tokenizer_line(args))
     _TOKENIZER = build(tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,

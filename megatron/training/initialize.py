@@ -6,7 +6,7 @@ single process (`python pretrain_gpt_dcp.py`), which then forms a world of one.
 `--distributed-timeout-minutes` reaches every process group the run creates: the default
 one here, megatron-core's model-parallel groups (`initialize_model_parallel`), the adaptive
 runtime's (`GroupRegistry`, through `groups.set_group_timeout`). A rank that stops
-answering then ends the job within that time; each rank's heartbeat (liveness.py, started
+answering then ends the job within that time; each rank's heartbeat (startup/liveness.py, started
 by `pretrain` right after this) tells the survivors which rank it was.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.compat import cpu_compat, mcore_compat
-from megatron.training.argument_errors import ArgumentError
-from megatron.training.cpu_binding import bind_cpu_rank
+from megatron.training.flags.argument_errors import ArgumentError
+from megatron.training.startup.cpu_binding import bind_cpu_rank
 from megatron.training.errors import TrainingError
 
 

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
-from megatron.training import checkpointing, finite_weights, global_vars, preflight
-from megatron.training.loop_features import LoopFeatures
+from megatron.training import checkpointing, global_vars
+from megatron.training.checkpoint import finite_weights
+from megatron.training.startup import preflight
+from megatron.training.loop.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.batch_schedule import batch_size_of_iteration
+from megatron.training.loop.batch_schedule import batch_size_of_iteration
 from megatron.training.initialize import (
     initialize_distributed,
     shutdown_distributed,
@@ -29,14 +31,14 @@ from megatron.training.initialize import (
     print_rank_0,
     set_random_seed,
 )
-from megatron.training.data_workers import WorkerBatches
+from megatron.training.loop.data_workers import WorkerBatches
 from megatron.training.errors import AgreedTrainingError, TrainingError
-from megatron.training.log import TrainingLogger
-from megatron.training.loop import Outcome, run_training
-from megatron.training.builders import (build_lr_scheduler, dtype_of, optimizer_config_from_args,  # noqa: F401
+from megatron.training.loop.log import TrainingLogger
+from megatron.training.loop.run import Outcome, run_training
+from megatron.training.loop.builders import (build_lr_scheduler, dtype_of, optimizer_config_from_args,  # noqa: F401
                                         transformer_config_from_args)
-from megatron.training.memory_report import report_memory, start_memory_report
-from megatron.training.training_adaptive import AdaptiveRun
+from megatron.training.loop.memory_report import report_memory, start_memory_report
+from megatron.training.adaptive.training_adaptive import AdaptiveRun
 
 
 def build_model_and_optimizer(args, model_provider: Callable):
@@ -138,14 +140,14 @@ def _report_error_and_exit(message: str, code: int = 1, every_rank: bool = True)
 
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     speaks = every_rank or rank == 0 or not 0 <= rank < world
-    from megatron.training import liveness
+    from megatron.training.startup import liveness
 
     liveness.stop(message)  # peers that lose contact with this rank quote why it stopped
     if speaks:
         names_its_rank = message.startswith(f"rank {rank} ")
         prefix = f"[rank {rank}] " if every_rank and world > 1 and not names_its_rank else ""
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-    from megatron.training import stop_signals
+    from megatron.training.startup import stop_signals
 
     stop_signals.reason_given()
     if not speaks:
@@ -178,13 +180,13 @@ def pretrain(
     except ArgumentError as e:
         _report_error_and_exit(str(e), 2, every_rank=False)
     global_vars.set_args(args)
-    from megatron.training import stop_signals
+    from megatron.training.startup import stop_signals
 
     stop_signals.say_why_on_sigterm()  # a rank stopped by torchrun says so in one line
     try:
         logged = _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
                            document_datasets_provider)
-        from megatron.training import liveness
+        from megatron.training.startup import liveness
 
         liveness.stop("finished")  # peers will not take this rank's silence for a stall
         shutdown_distributed()
@@ -196,27 +198,27 @@ def pretrain(
             _report_os_error_or_raise(e, args)
         _report_collective_fault(e, args)
     except KeyboardInterrupt:  # SIGINT, Ctrl-C: one line, as SIGTERM ends without --exit-signal-handler
-        from megatron.training import liveness
+        from megatron.training.startup import liveness
 
         if liveness.launcher_stop_line():  # the heartbeat stopped this rank: its launcher is gone (line said)
             sys.exit(1)
         _report_error_and_exit(interrupted_message(args), 130, every_rank=False)
     except BaseException as e:  # an OSError (full disk, permissions), or torch's CheckpointException wrapping one
-        from megatron.training.collective_faults import find_collective_failure
+        from megatron.training.startup.collective_faults import find_collective_failure
 
         inner = find_collective_failure(e) if not isinstance(e, (SystemExit, KeyboardInterrupt)) else None
         if inner is not None:  # a save whose collective failed because of a peer
             _report_collective_fault(inner, args)
         _report_os_error_or_raise(e, args)
     finally:
-        from megatron.training import checkpoint_lock
+        from megatron.training.checkpoint import lock as checkpoint_lock
 
         checkpoint_lock.release()  # the --save lock, however the run ends (a no-op where none is held)
 
 
 def interrupted_message(args=None) -> str:
     """What a SIGINT (Ctrl-C) stopped, and where the run can resume."""
-    from megatron.training.checkpoint_protocol import TRACKER
+    from megatron.training.checkpoint.protocol import TRACKER
 
     save = args.save if args is not None else None
     if not save:
@@ -233,7 +235,7 @@ def interrupted_message(args=None) -> str:
 
 def _report_os_error_or_raise(e: BaseException, args=None) -> None:
     """A failure of the operating system (full disk, read-only path) is one line; anything else propagates."""
-    from megatron.training.os_errors import explain_failure
+    from megatron.training.startup.os_errors import explain_failure
 
     line = explain_failure(e, args) if not isinstance(e, (SystemExit, KeyboardInterrupt)) else None
     if line is None:
@@ -243,7 +245,7 @@ def _report_os_error_or_raise(e: BaseException, args=None) -> None:
 
 def _is_lost_peer(e: BaseException) -> bool:
     """A collective failed because a peer died, hangs or stopped (gloo/NCCL), not a bug of this rank."""
-    from megatron.training.collective_faults import is_collective_failure
+    from megatron.training.startup.collective_faults import is_collective_failure
 
     return is_collective_failure(e)
 
@@ -251,7 +253,7 @@ def _is_lost_peer(e: BaseException) -> bool:
 def _report_collective_fault(e: BaseException, args) -> None:
     """One line naming the rank that stopped answering and the collective (collective_faults),
     worked out while a SIGTERM from torchrun waits; then exit 1."""
-    from megatron.training import collective_faults
+    from megatron.training.startup import collective_faults
 
     with collective_faults.sigterm_deferred():
         try:
@@ -265,19 +267,19 @@ def _report_collective_fault(e: BaseException, args) -> None:
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    from megatron.training import job_agreement, liveness
+    from megatron.training.startup import job_agreement, liveness
 
     liveness.start(dist.get_rank(), dist.get_world_size())  # heartbeats: who stopped answering, if one does
 
     job_agreement.check(args, print_rank_0)  # every rank was given the same flags; where one-rank outputs go
-    from megatron.training.upstream_flags import announce
+    from megatron.training.flags.upstream_flags import announce
 
     announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
     preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
-    from megatron.training import checkpoint_lock
+    from megatron.training.checkpoint import lock as checkpoint_lock
 
     checkpoint_lock.acquire(args)  # one job per --save: rank 0 takes its lock, or every rank stops here
-    from megatron.training.model_flags import startup_notes
+    from megatron.training.flags.model_flags import startup_notes
 
     for note in startup_notes(args):  # what the model/kernel/precision flags do on this machine
         print_rank_0(f"> {note}")
@@ -446,7 +448,7 @@ class StaticSteps:
                  consumed_samples, logger, features, test_ds=None):
         from megatron.core import parallel_state
 
-        from megatron.training.batches import collate_fixed_length
+        from megatron.training.loop.batches import collate_fixed_length
 
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.config, self.forward_step_func, self.logger, self.features = config, forward_step_func, logger, features

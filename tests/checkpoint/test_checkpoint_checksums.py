@@ -38,9 +38,9 @@ def _folder(root, iteration, files):
 
 
 def test_written_table_checks_and_names_the_fallback(tmp_path, capsys):
-    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, write_checksums
-    from megatron.training.checkpoint_inspector import verify_checkpoint
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.checksums import CHECKSUM_FILE, write_checksums
+    from megatron.training.checkpoint.inspector import verify_checkpoint
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     files = {"__0_0.distcp": bytes(range(256)) * 64, "__1_0.distcp": b"\1" * 1000, "common.pt": b"common"}
     for n in (1, 2):
@@ -66,9 +66,9 @@ def test_written_table_checks_and_names_the_fallback(tmp_path, capsys):
 
 
 def test_a_file_missing_resized_or_a_damaged_table_is_one_line(tmp_path, capsys):
-    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, write_checksums
-    from megatron.training.checkpoint_inspector import verify_checkpoint
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.checksums import CHECKSUM_FILE, write_checksums
+    from megatron.training.checkpoint.inspector import verify_checkpoint
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     folder = _folder(tmp_path, 3, {"__0_0.distcp": b"x" * 100, "common.pt": b"c"})
     write_checksums(str(folder))
@@ -94,7 +94,7 @@ def test_save_writes_the_table_before_the_commit():
     rename, the tracker)."""
     import inspect
 
-    from megatron.training import checkpoint_protocol
+    from megatron.training.checkpoint import protocol as checkpoint_protocol
 
     src = inspect.getsource(checkpoint_protocol.save_sharded_atomic)
     order = [src.index(s) for s in ("dist_checkpointing.save(", "write_checksums(staging)", "_fsync_tree(staging)",
@@ -125,7 +125,7 @@ def _resume(checkpoints, kind, root, log, *flags):
 
 @pytest.mark.dist
 def test_every_file_of_a_save_is_in_its_table(checkpoints):
-    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, file_digest
+    from megatron.training.checkpoint.checksums import CHECKSUM_FILE, file_digest
 
     for kind in PATHS:
         folder = payloads.iteration_dir(checkpoints[kind])
@@ -180,7 +180,7 @@ def test_ranks_share_the_check_and_agree(text_corpus, tmp_path):
     folder = payloads.iteration_dir(save)
     table = json.load(open(os.path.join(folder, "checksums.json")))["files"]
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(table), table
-    from megatron.training.checkpoint_checksums import shares
+    from megatron.training.checkpoint.checksums import shares
 
     rank1 = shares(table, 2)[1][0]
     payloads.flip(os.path.join(folder, rank1), at=0.9)

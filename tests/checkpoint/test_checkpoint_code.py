@@ -45,8 +45,8 @@ def _torch_checkpoint(folder, **extra):
 
 
 def test_index_with_code_is_refused_by_the_inspector(tmp_path):
-    from megatron.training.checkpoint_inspector import inspect_checkpoint
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.inspector import inspect_checkpoint
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     folder = _torch_checkpoint(tmp_path / "ck")
     inspect_checkpoint(str(folder))  # the real index reads
@@ -98,7 +98,7 @@ def test_object_inside_a_shard_with_code_is_refused(tmp_path):
     with warnings.catch_warnings(), pytest.raises(BaseException) as e:  # torch: CheckpointException
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    from megatron.training.os_errors import exception_chain
+    from megatron.training.startup.os_errors import exception_chain
 
     refused = [x for x in exception_chain(e.value) if isinstance(x, CodeRefused)]
     assert not marker.exists(), "the stored object's code ran"
@@ -108,8 +108,8 @@ def test_object_inside_a_shard_with_code_is_refused(tmp_path):
 def test_common_state_with_code_is_refused_whatever_the_environment(tmp_path, monkeypatch):
     """common.pt is read with weights_only=True even where TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
     turns torch.load's default off."""
-    from megatron.training.checkpoint_inspector import load_common_or_explain
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.inspector import load_common_or_explain
+    from megatron.training.checkpoint.protocol import CheckpointError
 
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     folder = _torch_checkpoint(tmp_path / "ck")

@@ -1,4 +1,4 @@
-"""megatron/training/checkpoint_lock.py: one job per --save directory.
+"""megatron/training/checkpoint/lock.py: one job per --save directory.
 
 Unit tests drive the lock directly with fake holder records (a live pid, a dead one, a
 reused one, another host, a copied directory, a damaged file); the `dist` tests run real
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from megatron.training import checkpoint_lock as lock
-from megatron.training import stop_signals
-from megatron.training.checkpoint_lock import LOCK_NAME, CheckpointLockError
+from megatron.training.checkpoint import lock as lock
+from megatron.training.startup import stop_signals
+from megatron.training.checkpoint.lock import LOCK_NAME, CheckpointLockError
 from tests.conftest import TINY_MODEL
 from tests.support.helpers import kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
 from tests.support.helpers import assert_one_line_error
@@ -168,7 +168,7 @@ def test_release_in_a_forked_child_does_nothing(tmp_path, monkeypatch):
 
 
 def test_recover_leaves_the_lock_alone(tmp_path):
-    from megatron.training.checkpoint_protocol import recover
+    from megatron.training.checkpoint.protocol import recover
 
     lock.take(str(tmp_path))
     for name in ("iter_0000003.incomplete", "iter_0000002.deleting"):
@@ -349,7 +349,8 @@ def test_a_quiet_rank_leaves_rank_0_the_time_to_print_the_error(rank, speaks, mo
     """A flag error every rank meets prints once, on rank 0. A silent rank that exited at
     once made torchrun stop rank 0 before its line came out (CI saw a run with no line):
     the silent rank now waits, rank 0 does not."""
-    from megatron.training import stop_signals, training
+    from megatron.training import training
+    from megatron.training.startup import stop_signals
 
     slept = []
     monkeypatch.setattr("time.sleep", slept.append)

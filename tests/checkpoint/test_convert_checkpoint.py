@@ -74,8 +74,8 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     import pretrain_gpt_dcp as entry
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-    from megatron.training.batches import collate_fixed_length
-    from megatron.training.checkpoint_protocol import checkpoint_dir, read_tracker
+    from megatron.training.loop.batches import collate_fixed_length
+    from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
     from megatron.training.initialize import set_random_seed
     from megatron.training.training import micro_batches, transformer_config_from_args
 

@@ -5,7 +5,7 @@ already holds, not when it is killed halfway.
   refused in one line unless `--force`; with `--force` an export older than the tracker is still
   refused (it would rewind the tracker: 6 -> 3 loses the user's newer checkpoint).
 - Fault injection: the converter is killed (`DCP_FAULT_INJECT=<step>`, os._exit as a kill -9
-  would, at each step of megatron/training/checkpoint_protocol.py's save) while exporting over
+  would, at each step of megatron/training/checkpoint/protocol.py's save) while exporting over
   an older export (tracker 2 -> 3) and over the same iteration (3 -> 3). Before the save's
   commit step the destination's tracker is unchanged and names its previous checkpoint, which
   loads with the same tensors; from the commit on it names the new export, which loads. Either
@@ -209,7 +209,7 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ fault injection
 def _fault_cases():
-    from megatron.training.checkpoint_protocol import FAULT_POINTS
+    from megatron.training.checkpoint.protocol import FAULT_POINTS
 
     resave_only = ("after_aside", "after_mark_delete", "mid_delete_old", "after_delete_old")
     for scenario in ("older", "same"):
@@ -229,7 +229,7 @@ def _assert_loads(dest: str, iteration: str, tmp: str, same_as: dict | None) -> 
     tensors load (equal to `same_as`'s where given)."""
     import torch
 
-    from megatron.training.checkpoint_protocol import find_checkpoint
+    from megatron.training.checkpoint.protocol import find_checkpoint
 
     assert tracker(dest) == iteration, sorted(os.listdir(dest))
     path = find_checkpoint(dest, int(iteration))
@@ -251,7 +251,7 @@ def previous_tensors(source, tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.parametrize("scenario,point", list(_fault_cases()))
 def test_export_killed_at_each_step(source, previous_tensors, tmp_path, scenario, point):
-    from megatron.training.checkpoint_protocol import FAULT_POINTS
+    from megatron.training.checkpoint.protocol import FAULT_POINTS
 
     dcp, dcp_digest, exports = source
     dest = _copy(exports[scenario], str(tmp_path / "dest"))

@@ -39,7 +39,7 @@ def _te_name(name: str) -> str:
 def _batches(args, entry):
     from functools import partial
 
-    from megatron.training.batches import collate_fixed_length
+    from megatron.training.loop.batches import collate_fixed_length
     from megatron.training.training import micro_batches
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
@@ -136,7 +136,7 @@ def _converted(rank, world, flags, converted, reference):
     import torch
     from megatron.core import dist_checkpointing
 
-    from megatron.training.checkpoint_protocol import checkpoint_dir, read_tracker
+    from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
     from megatron.training.training import transformer_config_from_args
 
     args, entry = _setup(flags, world, 1, 1)

@@ -26,7 +26,7 @@ def _args(load):
 
 
 def test_load_of_a_legacy_checkpoint_names_its_format_and_the_conversion(tmp_path):
-    from megatron.training.checkpoint_protocol import CheckpointError, resolve_load_dir
+    from megatron.training.checkpoint.protocol import CheckpointError, resolve_load_dir
 
     root = tmp_path / "upstream"
     _legacy_dir(root)
@@ -43,7 +43,7 @@ def test_load_of_a_legacy_checkpoint_names_its_format_and_the_conversion(tmp_pat
 
 
 def test_legacy_release_and_trackerless_checkpoints_say_the_same(tmp_path):
-    from megatron.training.checkpoint_protocol import CheckpointError, resolve_load_dir
+    from megatron.training.checkpoint.protocol import CheckpointError, resolve_load_dir
 
     release = tmp_path / "release_ckpt"
     _legacy_dir(release, ranks=("mp_rank_00_000", "mp_rank_00_001"), tracker="release")

@@ -1,6 +1,6 @@
 """Fault injection: a save killed at each of its filesystem steps never loses the checkpoint.
 
-`megatron/training/checkpoint_protocol.py` names every step of a save (`FAULT_POINTS`); with
+`megatron/training/checkpoint/protocol.py` names every step of a save (`FAULT_POINTS`); with
 `DCP_FAULT_INJECT=<step>` the process dies there (`os._exit`, as a kill -9 would). For
 both checkpoint kinds (static torch_dist and `--dcp`'s fixed sharding) and three saves
 
@@ -96,7 +96,8 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
     """Save `iteration` with every weight (and the dcp master) equal to `tag`."""
     import torch
 
-    from megatron.training import checkpointing, checkpointing_adaptive
+    from megatron.training import checkpointing
+    from megatron.training.checkpoint import checkpointing_adaptive
 
     args = _args(kind, root)
     if kind == "static":
@@ -118,7 +119,8 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
 def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
     """The real loader on `root`: what it loaded (iteration, consumed, the distinct weight
     values), written to `result`; then, with `then_save`, a plain save of the next iteration."""
-    from megatron.training import checkpointing, checkpointing_adaptive
+    from megatron.training import checkpointing
+    from megatron.training.checkpoint import checkpointing_adaptive
 
     args = _args(kind, root)
     if kind == "static":
@@ -183,7 +185,8 @@ def _serve() -> None:
     from dcp_ext.compat import cpu_compat  # noqa: F401
     from dcp_ext.runtime.stages import model  # noqa: F401
     from dcp_ext.runtime import engine  # noqa: F401
-    from megatron.training import checkpointing_adaptive, training  # noqa: F401
+    from megatron.training import training  # noqa: F401
+    from megatron.training.checkpoint import checkpointing_adaptive
 
     gc.freeze()  # megatron-core's save calls gc.collect(): keep the imported heap out of it
     print(json.dumps({"ready": True}), flush=True)
@@ -217,7 +220,7 @@ def _serve() -> None:
 if __name__ != "__main__":
     import pytest
 
-    from megatron.training.checkpoint_protocol import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
+    from megatron.training.checkpoint.protocol import (ASIDE_SUFFIX, DELETING_SUFFIX, FAULT_POINTS, STAGING_SUFFIX,
                                                        read_tracker)
     from tests.support.helpers import REPO, ForkServerClient
 
@@ -306,7 +309,7 @@ if __name__ != "__main__":
         """The list the test walks is the list the save passes (a renamed or new step fails here)."""
         import re
 
-        src = open(os.path.join(REPO, "megatron", "training", "checkpoint_protocol.py")).read()
+        src = open(os.path.join(REPO, "megatron", "training", "checkpoint", "protocol.py")).read()
         assert sorted(set(re.findall(r'_fault_point\("(\w+)"\)', src))) == sorted(FAULT_POINTS)
 
     @pytest.mark.parametrize("kind,scenario,point", list(_cases()))

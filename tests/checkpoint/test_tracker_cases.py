@@ -1,5 +1,5 @@
 """What `--load` does with the tracker file (`latest_checkpointed_iteration.txt`) in the cases
-that used to go wrong (megatron/training/checkpoint_protocol.py `resolve_load_dir`):
+that used to go wrong (megatron/training/checkpoint/protocol.py `resolve_load_dir`):
 
 - missing while complete `iter_*` checkpoints are there (a tracker lost or not copied):
   refused in one line naming the newest one and how to resume from it, never "starting
@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from megatron.training.checkpoint_protocol import TRACKER, CheckpointError, read_tracker, resolve_load_dir
+from megatron.training.checkpoint.protocol import TRACKER, CheckpointError, read_tracker, resolve_load_dir
 from tests.conftest import TINY_MODEL
 from tests.support.helpers import read_loss_log, run_ranks
 from tests.support.helpers import assert_one_line_error

@@ -58,7 +58,7 @@ def _common(kind, tp=1, pp=1):
 
 
 def test_buffer_shaped_optimizer_state_needs_its_layout():
-    from megatron.training.checkpoint_protocol import CheckpointError
+    from megatron.training.checkpoint.protocol import CheckpointError
     from megatron.training.checkpointing import _check_optimizer_format, _content_metadata
 
     meta = _content_metadata(_common("dp_reshardable", tp=2))

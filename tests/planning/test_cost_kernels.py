@@ -102,8 +102,8 @@ def _args(extra=()):
 
 
 def _kernels(args, **machine):
-    from megatron.training.model_flags import Machine
-    from megatron.training.run_config import AdaptiveRunConfig
+    from megatron.training.flags.model_flags import Machine
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
 
     m = AdaptiveRunConfig.from_args(args, on_cpu=False, machine=Machine(**machine)).model
     return m.layer_kernels, m.fused_swiglu, m.fused_rope
@@ -121,8 +121,8 @@ def test_run_config_records_the_kernels_the_engine_builds():
 
 
 def test_a_gpu_run_without_te_is_priced_with_its_document_attention():
-    from megatron.training.model_flags import Machine
-    from megatron.training.run_config import AdaptiveRunConfig
+    from megatron.training.flags.model_flags import Machine
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
 
     args = _args()
     without = AdaptiveRunConfig.from_args(args, on_cpu=False, machine=Machine(cuda=True, te=False)).model

@@ -23,14 +23,14 @@ from dcp_ext.cli import plan as plan_cli  # noqa: E402
 from tests.support.plan_pins import describe_change, load_pins, save_pins  # noqa: E402
 
 LENGTHS = os.path.join(HERE, "..", "..", "data", "lengths")  # the repo ships the files of ../shared/data/lengths
-PLANNERS = ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis")
+PLANNERS = ("adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis")
 SMALL = ("demo", "cpu-gloox4", 8192, 2048)
 FILES = ("code_python_cl100k.txt", "mooncake_conversation_input_tokens.txt", "arxiv_summarization_total_llama2.txt",
          "azure2023_conv_prompt_tokens.txt", "text_reuters21578_cl100k.txt", "azure2023_code_prompt_tokens.txt")
 # (length file, model, cluster, global batch tokens, max seq len, planners)
 CASES = [(f, *SMALL, PLANNERS) for f in FILES] + [
     ("azure2023_code_prompt_tokens.txt", "gpt-1.3b", "h100x8", 524288, 32768, PLANNERS),
-    ("arxiv_summarization_total_llama2.txt", "llama2-13b", "h200x64", 2097152, 65536, ("static", "dynamic-cp", "dcp")),
+    ("arxiv_summarization_total_llama2.txt", "llama2-13b", "h200x64", 2097152, 65536, ("static", "dynamic-cp", "cp-buckets")),
     ("mooncake_conversation_input_tokens.txt", "llama2-7b", "h200x64", 4194304, 131072, ("adaptive",)),
 ]
 

@@ -43,7 +43,7 @@ KW = dict(max_seq_len=2048, global_batch_tokens=8192)
 # every planner that can run the setting (static: a layout that holds 2048 tokens), and
 # pipelines, whose 1F1B windows mix micro-batches of many tokens with long documents
 SETTINGS = [("adaptive", {}), ("static", {"layout": (2, 2, 1)}), ("static", {"layout": (1, 4, 1)}),
-            ("dynamic-cp", {}), ("dcp", {}), ("hydraulis", {}), ("static", {"layout": (1, 2, 2)}),
+            ("dynamic-cp", {}), ("cp-buckets", {}), ("hydraulis", {}), ("static", {"layout": (1, 2, 2)}),
             ("dynamic-cp", {"setting": (1, 2, 2)}),
             ("adaptive", {"layouts": ["1xtp1cp2pp2", "1xtp2cp1pp2", "2xtp1cp1pp2", "1xtp2cp1pp1+2xtp1cp1pp1"]})]
 
@@ -241,7 +241,7 @@ def _plans(name, cluster, lengths, batches, **opt):
     return p.describe(), [json.dumps(iteration_to_json(p.plan(i, ids, lengths[ids].tolist()))) for i, ids in enumerate(batches)]
 
 
-@pytest.mark.parametrize("name", ["adaptive", "static", "dynamic-cp", "dcp", "hydraulis"])
+@pytest.mark.parametrize("name", ["adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis"])
 def test_old_demo_plans_unchanged(name, monkeypatch):
     """4 GiB CPU ranks and documents up to 512 tokens: the quadratic term never binds, and
     the plans are those of the token caps alone (the quadratic checks switched off)."""

@@ -127,7 +127,7 @@ def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path, adap
     assert all(created.values()) and len({len(c) for c in created.values()}) == 1
     assert not any(c["iterations_done"] > 0 for cs in created.values() for c in cs)
     # each rank ran on its own share of the cores (CPU runs bind their ranks at start)
-    from megatron.training.cpu_binding import cores_for
+    from megatron.training.startup.cpu_binding import cores_for
 
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) > 1:

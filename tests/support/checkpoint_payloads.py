@@ -109,7 +109,7 @@ def reseal(folder: str) -> None:
     """Rewrite the checksum table for the files as they are now (the code before issue 37
     wrote none: nothing to do there)."""
     try:
-        from megatron.training.checkpoint_checksums import CHECKSUM_FILE, write_checksums
+        from megatron.training.checkpoint.checksums import CHECKSUM_FILE, write_checksums
     except ImportError:
         return
     if os.path.exists(os.path.join(folder, CHECKSUM_FILE)):

@@ -35,7 +35,8 @@ def _serve() -> None:
     from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
 
     import pretrain_gpt_dcp  # noqa: F401
-    from megatron.training import training, training_adaptive  # noqa: F401
+    from megatron.training import training  # noqa: F401
+    from megatron.training.adaptive import training_adaptive
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -6,7 +6,7 @@ none once training runs. This wrapper lets a test see that from outside the runt
 wraps torch.distributed.new_group/new_subgroups (which megatron-core and the runtime call
 through the module) and counts the iterations the loop has logged, then runs the real entry
 point unchanged. DCP_GROUP_LOG names the file prefix (one `.RANK` file per rank, JSON lines);
-each record also holds the cores the rank ran on then (megatron/training/cpu_binding.py).
+each record also holds the cores the rank ran on then (megatron/training/startup/cpu_binding.py).
 """
 import json
 import os
@@ -39,7 +39,8 @@ def _counting(log):
 dist.new_group = _recorded("new_group", dist.new_group)
 dist.new_subgroups = _recorded("new_subgroups", dist.new_subgroups)
 sys.path.insert(0, REPO)
-from megatron.training import training, training_adaptive  # noqa: E402
+from megatron.training import training  # noqa: E402
+from megatron.training.adaptive import training_adaptive
 
 training_adaptive.AdaptiveSteps.log = _counting(training_adaptive.AdaptiveSteps.log)
 training.StaticSteps.log = _counting(training.StaticSteps.log)

@@ -22,7 +22,7 @@ def scaled_loss(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     try:
-        from megatron.training.batches import get_batch
+        from megatron.training.loop.batches import get_batch
     except ImportError:  # an entry point written before get_batch existed
         batch = next(data_iterator)
     else:

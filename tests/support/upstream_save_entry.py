@@ -18,7 +18,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from megatron.training import checkpointing  # noqa: E402
-from megatron.training.checkpoint_protocol import common_args, save_sharded_atomic  # noqa: E402
+from megatron.training.checkpoint.protocol import common_args, save_sharded_atomic  # noqa: E402
 
 UPSTREAM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                      "chained_optim_avoid_prefix": True}

@@ -38,7 +38,7 @@ def z_loss(labels, loss_mask, logits):
 
 
 def forward_step(data_iterator, model):
-    from megatron.training.batches import get_batch
+    from megatron.training.loop.batches import get_batch
 
     batch = get_batch(data_iterator, model)
     logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])

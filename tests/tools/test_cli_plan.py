@@ -41,7 +41,7 @@ def test_dcp_simulate_table_json_and_timeline(tmp_path, capsys):
                        "--json", str(js), "--timeline", str(png), "--quiet"])
     assert rc == 0
     table = capsys.readouterr().out
-    for name in ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis"):
+    for name in ("adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis"):
         assert name in table
     res = json.loads(js.read_text())
     assert res["iterations"] == 4

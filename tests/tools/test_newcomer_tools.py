@@ -183,7 +183,7 @@ def _profile_argv(*extra):
 ])
 def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypatch, extra, points, runs):
     from dcp_ext.cli import profile
-    from megatron.training.profiling import SIDE
+    from megatron.training.adaptive.profiling import SIDE
 
     seen = {}
 
@@ -204,7 +204,7 @@ def test_profile_quick_plans_a_small_grid_and_says_so(tmp_path, capsys, monkeypa
 
 def test_profile_says_which_layouts_the_cores_leave_out(tmp_path, capsys, monkeypatch):
     from dcp_ext.cli import profile
-    from megatron.training.profiling import SIDE
+    from megatron.training.adaptive.profiling import SIDE
 
     monkeypatch.setattr(profile, "usable_cores", lambda: 2)
     monkeypatch.setattr(profile, "time_points", lambda job: [profile.Timing(p, samples=[0.01]) for p in job.points])

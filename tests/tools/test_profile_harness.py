@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dcp_ext.cli.profile import parse_layouts
-from megatron.training.profiling import main, setup
+from megatron.training.adaptive.profiling import main, setup
 from dcp_ext.planning.cost_model import CostModel, Layout
 from dcp_ext.planning.profile import Profile
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec

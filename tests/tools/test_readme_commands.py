@@ -93,7 +93,7 @@ def check_preprocess_sft(ws, r):
 def check_simulate(ws, r):
     _files(ws, "timeline.png")
     assert "12 iterations of 4194304 tokens" in r.stdout
-    for planner in ("adaptive", "static", "dynamic-cp", "dcp", "hydraulis"):
+    for planner in ("adaptive", "static", "dynamic-cp", "cp-buckets", "hydraulis"):
         assert f"| {planner} " in r.stdout
     assert "--iterations" not in r.stderr  # 12 full batches: no shortfall of iterations
 

@@ -36,7 +36,7 @@ def _main(tool: str):
     elif tool == "preprocess":
         from dcp_ext.data.preprocess import main
     else:
-        from megatron.training.profiling import main
+        from megatron.training.adaptive.profiling import main
     return main
 
 

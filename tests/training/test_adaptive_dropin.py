@@ -75,7 +75,7 @@ def test_batch_tokens_default_to_global_batch_times_seq_length():
 
 
 def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
-    from megatron.training import training_adaptive
+    from megatron.training.adaptive import training_adaptive
     from dcp_ext.data.mock_documents import MockDocumentDataset
 
     def planner(extra, world=8):
@@ -102,7 +102,7 @@ def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
 
 
 def test_optimizer_flags_the_fixed_sharding_cannot_run_are_refused():
-    from megatron.training.argument_checks import check_dcp_optimizer
+    from megatron.training.flags.argument_checks import check_dcp_optimizer
     from megatron.training.arguments import ArgumentError
 
     args = _parse(["--dcp"])
@@ -151,7 +151,8 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     import pretrain_gpt_dcp
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.layout import ReplicaType
-    from megatron.training import global_vars, run_config, training
+    from megatron.training import global_vars, training
+    from megatron.training.adaptive import run_config
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel

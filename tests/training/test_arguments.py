@@ -142,3 +142,21 @@ def test_launcher_environment_is_checked():
                         ({"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "h"}, "RANK=1 are set but MASTER_PORT is not")):
         with pytest.raises(ArgumentError, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             world_size_from_env(env)
+
+
+@pytest.mark.parametrize("given", ["dcp", "cp-buckets"])
+def test_the_cp_buckets_planner_answers_to_its_old_name_too(given):
+    """`--dcp-planner dcp` (the old name) runs the same planner as `cp-buckets` and says so
+    at start in one line; the new name says nothing."""
+    from dcp_ext.planning.planner import make_planner
+    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from megatron.training.flags.model_flags import Machine, startup_notes
+
+    args = parse_args(BASE + ["--dcp", "--dcp-planner", given], world_size=4)
+    assert args.dcp_planner == "cp-buckets"
+    renamed = [n for n in startup_notes(args, Machine.here()) if "cp-buckets" in n]
+    assert renamed == (["--dcp-planner dcp is now named cp-buckets (context parallelism per length bucket, NUS "
+                        "DCP's scheme); the old name still works"] if given == "dcp" else [])
+    p = make_planner(given, ModelSpec.from_preset("demo"), ClusterSpec.cpu_gloo(4), max_seq_len=512,
+                     global_batch_tokens=2048, length_sample=[100, 200, 512] * 20)
+    assert p.name == "cp-buckets"

@@ -202,7 +202,7 @@ CASES = [
 ]
 
 # No lost work: every path the run writes is checked before training
-# starts (megatron/training/preflight.py), and the loader never takes a save's leftovers for a
+# starts (megatron/training/startup/preflight.py), and the loader never takes a save's leftovers for a
 # checkpoint. {out}: a file `afile`, a read-only dir `ro`, a full file system `full`, and
 # checkpoint directories a crashed save could leave (make_output_fixtures, below).
 _RO = "permission denied (cannot create"

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.training import collective_faults, job_agreement, liveness
-from megatron.training.collective_faults import fault_line, is_collective_failure, rank_list, timed_out_after_s
+from megatron.training.startup import collective_faults, job_agreement, liveness
+from megatron.training.startup.collective_faults import fault_line, is_collective_failure, rank_list, timed_out_after_s
 
 GLOO_RECV = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
              "60000ms for recv operation to complete")

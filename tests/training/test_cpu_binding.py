@@ -1,4 +1,4 @@
-"""CPU runs bind each local rank to its share of the cores (megatron/training/cpu_binding.py).
+"""CPU runs bind each local rank to its share of the cores (megatron/training/startup/cpu_binding.py).
 
 The split itself is pure and checked here on machines of every shape; the binding is
 checked in a fresh interpreter (it changes the process it runs in): every thread the
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron.training.cpu_binding import cores_for
+from megatron.training.startup.cpu_binding import cores_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +41,7 @@ def test_four_ranks_on_two_cores_pair_up():
 SCRIPT = r"""
 import json, os, sys, threading
 sys.path.insert(0, sys.argv[1])
-from megatron.training.cpu_binding import bind_cpu_rank
+from megatron.training.startup.cpu_binding import bind_cpu_rank
 before = threading.Event(); seen = {}
 def early():  # a thread started before the binding (gloo's, torch's)
     before.wait(); seen["early"] = sorted(os.sched_getaffinity(0))

@@ -36,7 +36,7 @@ def flags_for(corpus: str, cache: str, *extra: str) -> list[str]:
 
 
 def test_the_block_is_upstreams(capsys):
-    from megatron.training.log import TrainingLogger
+    from megatron.training.loop.log import TrainingLogger
 
     logger = TrainingLogger(SimpleNamespace(tensorboard_dir=None, wandb_project=None, log_validation_ppl_to_tensorboard=False))
     logger.log_validation(7, 2.0)
@@ -48,7 +48,7 @@ def test_the_block_is_upstreams(capsys):
 
 
 def test_a_resumed_run_goes_on_where_upstreams_count_puts_it():
-    from megatron.training.loop import validation_batches_before
+    from megatron.training.loop.run import validation_batches_before
 
     assert validation_batches_before(SimpleNamespace(eval_interval=5, eval_iters=3), 12) == 6  # evaluated at 5, 10
     assert validation_batches_before(SimpleNamespace(eval_interval=None, eval_iters=3), 12) == 0
@@ -77,7 +77,7 @@ def test_static_evaluations_walk_on_then_validation_and_test_at_the_end(text_cor
 @pytest.mark.dist
 def test_dcp_evaluations_walk_on_and_wrap_then_validation_and_test_at_the_end(text_corpus, tmp_path):
     from dcp_ext.data.documents import build_document_datasets
-    from megatron.training.training_adaptive import SplitBatches
+    from megatron.training.adaptive.training_adaptive import SplitBatches
 
     tokens, max_len = 1024, 128
     _, valid_ds, _ = build_document_datasets([text_corpus], "60,30,10", seed=1234, max_seq_len=max_len)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training import log as log_module
+from megatron.training.loop import log as log_module
 
 
 def logger(tmp_path, interval):

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from megatron.training.memory_report import memory_line, parse_memory_line, size_text
+from megatron.training.loop.memory_report import memory_line, parse_memory_line, size_text
 from tests.conftest import TINY_MODEL
 from tests.support.helpers import run_ranks
 
@@ -22,7 +22,7 @@ ALLOC_MIB = 100
 def _allocate_and_report(rank, world_size):
     import torch
 
-    from megatron.training.memory_report import report_memory, start_memory_report
+    from megatron.training.loop.memory_report import report_memory, start_memory_report
 
     lines = []
     # a generous budget (1 GiB): rank 2 allocates 100 MiB of tensors

@@ -1,4 +1,4 @@
-"""Upstream Megatron's model, kernel and precision flags (megatron/training/model_flags.py).
+"""Upstream Megatron's model, kernel and precision flags (megatron/training/flags/model_flags.py).
 
 Each honoured flag changes what it should in the built config and model; the llama launch
 line's model trains on 2 CPU ranks on both paths, and one --dcp runtime step of it under a
@@ -37,7 +37,7 @@ def _config(extra, machine=None, world_size=1, **overrides):
     (a TransformerConfig checks its kernels against the machine it is built on)."""
     from types import SimpleNamespace
 
-    from megatron.training.model_flags import config_fields
+    from megatron.training.flags.model_flags import config_fields
     from megatron.training.training import transformer_config_from_args
 
     args = _args(extra, world_size)
@@ -68,7 +68,7 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_one_warning(capsys):
 def test_gpu_machine_honours_attention_fusion_and_fp8_flags():
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron.training.model_flags import Machine, config_fields
+    from megatron.training.flags.model_flags import Machine, config_fields
 
     h100 = Machine(cuda=True, te=True, capability=(9, 0), flash_attn=True)
     c = _config(["--attention-backend", "fused"], h100)
@@ -96,7 +96,7 @@ def test_gpu_machine_honours_attention_fusion_and_fp8_flags():
 
 
 def test_fp8_problems_per_machine():
-    from megatron.training.model_flags import Machine, fp8_problem
+    from megatron.training.flags.model_flags import Machine, fp8_problem
 
     args = _args([])
     args.fp8_format = "hybrid"

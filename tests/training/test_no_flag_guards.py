@@ -13,7 +13,7 @@ import os
 from tests.conftest import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FILES = sorted(glob.glob(os.path.join(ROOT, "megatron", "training", "*.py"))) + [os.path.join(ROOT, "pretrain_gpt_dcp.py")]
+FILES = sorted(glob.glob(os.path.join(ROOT, "megatron", "training", "**", "*.py"), recursive=True)) + [os.path.join(ROOT, "pretrain_gpt_dcp.py")]
 
 
 def guarded_names(path: str) -> list[tuple[int, str]]:

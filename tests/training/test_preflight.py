@@ -1,11 +1,11 @@
-"""megatron/training/preflight.py: every output path is checked before training, and the
+"""megatron/training/startup/preflight.py: every output path is checked before training, and the
 check itself changes nothing (the end-to-end rows are in test_bad_inputs.py, `out-*`)."""
 import argparse
 import os
 
 import pytest
 
-from megatron.training import preflight
+from megatron.training.startup import preflight
 
 
 def listing(root):

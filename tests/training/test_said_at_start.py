@@ -45,7 +45,7 @@ def test_nothing_is_said_when_nothing_is_left_out(text_corpus, tmp_path):
 def test_overlap_flags_say_in_one_line_why_they_are_off_on_cpu(text_corpus, tmp_path):
     """Overlapping gloo transfers with compute on the same cores made exposed communication
     worse (benchmarks/bench_overlap.py): on CPU ranks --dcp turns it off and says so, once."""
-    from megatron.training.run_config import OVERLAP_OFF_ON_CPU
+    from megatron.training.adaptive.run_config import OVERLAP_OFF_ON_CPU
 
     flags = TINY_MODEL + DCP + ["--dcp-max-seq-len", "128", "--dcp-split-long-documents", "--eval-iters", "0",
                                 "--data-path", text_corpus, "--data-cache-path", str(tmp_path / "cache"),

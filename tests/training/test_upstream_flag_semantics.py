@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.batch_schedule import BatchSchedule, ScheduleError, parse
+from megatron.training.loop.batch_schedule import BatchSchedule, ScheduleError, parse
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
         "--lr", "1e-3", "--mock-data", "--micro-batch-size", "1"]
@@ -68,7 +68,7 @@ def test_schedule_sets_the_batch_and_the_lr_schedule_counts_samples():
     args = parse_args(BASE + ["--train-iters", "10", "--lr-decay-iters", "8", "--lr-warmup-iters", "2",
                               "--step-batch-size-schedule", "0:2", "512:4"], world_size=2)  # word-split, as gpt3's
     assert args.global_batch_size == 4 and args.lr_schedule_in_samples
-    from megatron.training.loop_flags import scheduler_steps
+    from megatron.training.flags.loop_flags import scheduler_steps
 
     steps = scheduler_steps(args)  # upstream: iterations x --global-batch-size samples
     assert (steps["lr_warmup_steps"], steps["lr_decay_steps"]) == (8, 32)
@@ -117,7 +117,7 @@ SFT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
 def test_sft_trains_on_sft_data_with_conversations_apart(sft_data):
     args = parse_args(SFT + ["--sft", "--data-path", sft_data["sft"]], world_size=1)
     assert args.reset_position_ids and args.reset_attention_mask  # one conversation, one document
-    from megatron.training.sft_flags import note
+    from megatron.training.flags.sft_flags import note
 
     assert note(args).startswith("--sft: loss on the assistant's tokens only")
 

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from tests.support.helpers import REPO, run_ranks
-from megatron.training import upstream_flags as uf
+from megatron.training.flags import upstream_flags as uf
 from megatron.training.arguments import ArgumentError, build_parser, parse_args, parse_flags
-from megatron.training.upstream_flag_table import FAMILIES, HARMLESS_VALUES, ROWS
+from megatron.training.flags.upstream_flag_table import FAMILIES, HARMLESS_VALUES, ROWS
 
 UPSTREAM = os.path.join(REPO, "tests", "fixtures", "upstream")  # a copy of the workplace's shared/upstream
 TSV = os.path.join(UPSTREAM, "megatron_flags.tsv")
@@ -235,7 +235,7 @@ def test_namespace_holds_no_placeholder_and_a_second_check_keeps_the_list():
     assert "expert_model_parallel_size" not in values  # not given: not carried (nor saved in checkpoints)
     assert values["logging_level"] == 20
     before = list(args.accepted_without_effect)
-    from megatron.training.flag_refusals import check_upstream_flags
+    from megatron.training.flags.flag_refusals import check_upstream_flags
 
     check_upstream_flags(args)
     assert args.accepted_without_effect == before == [
@@ -257,7 +257,7 @@ def launch_line(name):
 
 @pytest.mark.parametrize("name", [os.path.basename(p) for p in sorted(glob.glob(os.path.join(UPSTREAM, "*.args")))])
 def test_upstream_launch_lines_parse_and_their_refusals_are_listed(name, capsys):
-    from megatron.training.upstream_flag_legacy import explain
+    from megatron.training.flags.upstream_flag_legacy import explain
     from tests.training.test_upstream_examples import EXPECTED_REFUSED
 
     argv = launch_line(name)

@@ -97,7 +97,7 @@ def test_ranks_reading_different_versions_of_the_data_stop(tmp_path):
 
 
 def test_os_errors_are_said_as_such(tmp_path):
-    from megatron.training.os_errors import explain_failure, explain_os_error
+    from megatron.training.startup.os_errors import explain_failure, explain_os_error
 
     class Wrapped(BaseException):  # torch.distributed.checkpoint's CheckpointException, in shape
         def __init__(self, failures):

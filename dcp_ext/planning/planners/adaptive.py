@@ -429,6 +429,10 @@ class AdaptivePlanner(PlannerBase):
     def describe(self) -> str:
         return f"{self.name}: {len(self.pool.layouts)} layouts: " + "; ".join(describe(c) for c in self.pool.layouts)
 
+    def static_entry_in_pool(self) -> tuple[bool, int]:
+        entry = self.static_entry
+        return entry is not None and entry in self.pool.layouts, len(self.pool.layouts)
+
     def pool_line(self, iteration: int) -> str | None:
         """One line each time the candidate pool was chosen again (from measured prices) since
         the last call; the first call only notes the pool it starts from."""

@@ -96,6 +96,21 @@ class PlannerBase:
         """A line when the candidate pool was chosen again since the last call (None: not)."""
         return None
 
+    def static_entry_in_pool(self) -> tuple[bool, int] | None:
+        """(whether the launch line's static layout is one of the candidate mixes, how many
+        candidates there are); None for a planner without a candidate pool."""
+        return None
+
+    def lower_bound_s(self, batches: Sequence[Sequence[int]]) -> float:
+        """No plan of these batches (each a list of document lengths) is faster than this by
+        the prices as calibrated now, over the layouts this planner prices, each iteration's
+        fixed overhead included (`dcp_ext.planning.bound`). ValueError where none of those
+        layouts holds a batch (a fixed planner's own layouts)."""
+        from dcp_ext.planning.bound import lower_bound
+
+        layouts = sorted(getattr(self, "tables", {}) or self.cm.all_layouts())
+        return sum(lower_bound(self.cm, lengths, layouts) + self.cm.iteration_overhead_s for lengths in batches)
+
     def state_dict(self) -> dict:
         """What a resumed run needs to plan the next iterations exactly as an unbroken one
         (checkpointed with the model). Stateless planners: nothing."""

@@ -1,4 +1,4 @@
-"""Baselines with per-sequence context parallelism: `dynamic-cp` (upstream Megatron) and `dcp`.
+"""Baselines with per-sequence context parallelism: `dynamic-cp` (upstream Megatron) and `cp-buckets`.
 
 Why they exist: they are the closest published alternatives to the adaptive planner, so
 its advantage has to be shown against them on the same batches and the same cost model.
@@ -14,7 +14,7 @@ Upstream re-forms groups for each micro-batch; a dcp-plan/v1 iteration fixes its
 so here one grouping serves the whole iteration (longer sequences are never put on a
 group smaller than they need; shorter ones may share a larger group).
 
-`dcp` (NUS DCP, in short: sequence parallelism per length bucket,
+`cp-buckets` (NUS DCP's scheme, named for what it does: context parallelism per length bucket,
 gradient accumulation to balance): TP fixed, pp = 1; sequences bucketed by the same cp
 rule; each bucket gets devices in proportion to its predicted work (by the cost model),
 split into groups of its cp; longest-processing-time balancing with the cost model inside
@@ -228,8 +228,8 @@ class DynamicCPPlanner(_CPPoolPlanner):
         return list(zip(sizes, docs))
 
 
-class DCPPlanner(_CPPoolPlanner):
-    name = "dcp"
+class CPBucketsPlanner(_CPPoolPlanner):
+    name = "cp-buckets"
     allow_pp = False
 
     def _groups(self, s: np.ndarray) -> list[tuple[int, list[int]]]:

@@ -57,7 +57,7 @@ def _observe_steps(cls) -> None:
 
 
 def _observe_build() -> None:
-    from megatron.training import training_adaptive
+    from megatron.training.adaptive import training_adaptive
 
     build = training_adaptive.AdaptiveRun.build
 
@@ -82,7 +82,8 @@ def _observe_build() -> None:
 
 
 def main() -> None:
-    from megatron.training import training, training_adaptive
+    from megatron.training import training
+    from megatron.training.adaptive import training_adaptive
 
     _observe_steps(training.StaticSteps)
     _observe_steps(training_adaptive.AdaptiveSteps)

@@ -21,10 +21,10 @@ import re
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpoint_protocol as ckpt
-from megatron.training.checkpoint_inspector import check_saved_parts, load_or_explain, open_checkpoint
+from megatron.training.checkpoint import protocol as ckpt
+from megatron.training.checkpoint.inspector import check_saved_parts, load_or_explain, open_checkpoint
 from megatron.training.initialize import print_rank_0
-from megatron.training.resume_checks import check_model_args, reconcile_lr_schedule
+from megatron.training.checkpoint.resume_checks import check_model_args, reconcile_lr_schedule
 
 FORMAT = "dcp-fixed-sharding/v1"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -58,7 +58,7 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
 
 
 def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
-    from megatron.training.finite_weights import refuse_nonfinite
+    from megatron.training.checkpoint.finite_weights import refuse_nonfinite
 
     refuse_nonfinite([engine.optimizer.master()], iteration, args.save)
     avg, avg_sq, step = engine.optimizer.moments()

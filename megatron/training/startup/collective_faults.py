@@ -4,7 +4,7 @@ Why it exists: a stalled or dead peer surfaces on every surviving rank as a raw 
 from gloo (`Timed out waiting 60000ms for recv operation to complete`, `Connection closed by
 peer`) or NCCL, deep inside megatron-core or the runtime. `fault_line` turns it into the one
 line `pretrain` prints: the rank that stopped answering (from the heartbeats,
-megatron/training/liveness.py; "cannot be told" when the store is silent too), the
+megatron/training/startup/liveness.py; "cannot be told" when the store is silent too), the
 collective and where it was called (read from the traceback: the torch.distributed function,
 its group's ranks, the first frame outside torch), how it failed (timed out after N s, with
 the flag that sets N, or the connection closed), and what to do.
@@ -18,8 +18,8 @@ import signal
 import threading
 from typing import Optional
 
-from megatron.training import liveness
-from megatron.training.os_errors import exception_chain
+from megatron.training.startup import liveness
+from megatron.training.startup.os_errors import exception_chain
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",

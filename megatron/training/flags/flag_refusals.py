@@ -21,7 +21,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.argument_errors import ArgumentError
+from megatron.training.flags.argument_errors import ArgumentError
 
 UNKNOWN_ATTR = "_unknown_flags"  # set by arguments.parse_flags: (tokens not parsed, hint, the parser's flags)
 
@@ -39,7 +39,7 @@ class Refusal:
 
 def unknown_refusals(tokens: list, hint: str, known) -> list[Refusal]:
     """Tokens no parser took: flags (with the values after them) and stray values."""
-    from megatron.training.upstream_flag_legacy import closest, explain
+    from megatron.training.flags.upstream_flag_legacy import closest, explain
 
     out, stray, flag = [], [], None
     for token in tokens:
@@ -62,8 +62,8 @@ def unknown_refusals(tokens: list, hint: str, known) -> list[Refusal]:
 
 def collect(args: argparse.Namespace) -> list[Refusal]:
     """Every refusal of the line (and, once, the upstream flags accepted without effect)."""
-    from megatron.training import loop_flags, model_flags, sft_flags
-    from megatron.training.upstream_flags import judge_upstream_flags
+    from megatron.training.flags import loop_flags, model_flags, sft_flags
+    from megatron.training.flags.upstream_flags import judge_upstream_flags
 
     found = []
     unknown = vars(args).pop(UNKNOWN_ATTR, None)
@@ -100,7 +100,7 @@ def check(args: argparse.Namespace) -> None:
 
 def check_upstream_flags(args: argparse.Namespace) -> None:
     """`judge_upstream_flags`, raising one line that names every refused flag given."""
-    from megatron.training.upstream_flags import judge_upstream_flags
+    from megatron.training.flags.upstream_flags import judge_upstream_flags
 
     refused = judge_upstream_flags(args)
     if refused:

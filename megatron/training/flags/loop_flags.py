@@ -13,9 +13,9 @@ import argparse
 import importlib.util
 import signal
 
-from megatron.training import checkpoint_protocol as ckpt
-from megatron.training.argument_errors import ArgumentError
-from megatron.training.checkpoint_inspector import load_common_or_explain
+from megatron.training.checkpoint import protocol as ckpt
+from megatron.training.flags.argument_errors import ArgumentError
+from megatron.training.checkpoint.inspector import load_common_or_explain
 
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")  # upstream's choices; we write torch_dist
 SIGNAL_NAMES = tuple(s.name for s in signal.Signals)
@@ -119,7 +119,7 @@ def check_batch_schedule(args) -> None:
     size becomes --global-batch-size (the evaluation batch, and an iteration's samples for the LR
     schedule of --train-iters), which a user may also give when it is that size. First thing of
     `arguments.fill_derived` (before --global-batch-size's default)."""
-    from megatron.training.batch_schedule import BatchSchedule, ScheduleError, parse
+    from megatron.training.loop.batch_schedule import BatchSchedule, ScheduleError, parse
 
     args.batch_schedule = None
     if args.step_batch_size_schedule is None or not args.seq_length:

@@ -21,7 +21,7 @@ import errno
 import os
 import socket
 
-from megatron.training.argument_errors import ArgumentError
+from megatron.training.flags.argument_errors import ArgumentError
 
 PROBE_BYTES = 64 * 1024
 

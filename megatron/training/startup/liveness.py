@@ -181,7 +181,8 @@ class Heartbeat:
         after LAUNCHER_GRACE_S."""
         import _thread
 
-        from megatron.training import checkpoint_lock, stop_signals
+        from megatron.training.checkpoint import lock as checkpoint_lock
+        from megatron.training.startup import stop_signals
 
         self.stop_line = (f"the launcher of this node (torchrun, pid {self.launcher_pid}) is gone: rank {self.rank} "
                           "stops (nothing would restart, stop or report it); see why the launcher died (killed, "

@@ -17,7 +17,7 @@ from dcp_ext.planning.layout import bucket_numel_for
 from dcp_ext.planning.specs import ModelSpec
 from dcp_ext.runtime.options import EngineOptions
 from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
-from megatron.training.model_flags import Machine, config_fields, uses_transformer_engine
+from megatron.training.flags.model_flags import Machine, config_fields, uses_transformer_engine
 
 OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
                       "transfer threads share the cores with the compute, so overlapping made the exposed "

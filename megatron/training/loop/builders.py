@@ -2,7 +2,7 @@
 config and the LR schedule.
 
 Why it exists: both ways to train (megatron-core's static layout in `training.py`, the
-adaptive runtime in `training_adaptive.py`) build the same model, optimizer settings
+adaptive runtime in `adaptive/training_adaptive.py`) build the same model, optimizer settings
 and schedule from the same flags; one module both import, so neither hands the other
 builders as callbacks.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.training import loop_flags
+from megatron.training.flags import loop_flags
 
 
 def dtype_of(args) -> torch.dtype:
@@ -58,7 +58,7 @@ def transformer_config_from_args(args, **overrides):
         deterministic_mode=not torch.cuda.is_available(),
         **recompute,
     )
-    from megatron.training.model_flags import config_fields
+    from megatron.training.flags.model_flags import config_fields
 
     # attention backend, fusions, loss kernel, zero-centred norms, qk norms, fp8
     kwargs.update(config_fields(args))

@@ -18,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing_adaptive, finite_weights, startup_calibration
-from megatron.training.builders import transformer_config_from_args
+from megatron.training.adaptive import startup_calibration
+from megatron.training.checkpoint import checkpointing_adaptive, finite_weights
+from megatron.training.loop.builders import transformer_config_from_args
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
-from megatron.training.loop import Outcome
-from megatron.training.online_calibration import OnlineCalibration
-from megatron.training.run_config import AdaptiveRunConfig
+from megatron.training.loop.run import Outcome
+from megatron.training.adaptive.online_calibration import OnlineCalibration
+from megatron.training.adaptive.run_config import AdaptiveRunConfig
 from dcp_ext.planning.planners.explain import layout_label, layout_summary
 
 
@@ -142,11 +143,10 @@ def static_layout_line(args, planner) -> str:
     """The one line said at start: where the line's static layout is in the planner."""
     tp, cp, pp = static_layout_of(args)
     what = f"static layout tp={tp} pp={pp} cp={cp}"
-    pool = getattr(planner, "pool", None)
-    entry = getattr(planner, "static_entry", None)
-    if pool is not None:
-        n = len(pool.layouts)
-        where = "is in" if entry is not None and entry in pool.layouts else "is not in"
+    in_pool = planner.static_entry_in_pool()
+    if in_pool is not None:
+        held, n = in_pool
+        where = "is in" if held else "is not in"
         why = "" if where == "is in" else (" (hydraulis has no context parallelism)" if cp > 1 and
                                            args.dcp_planner == "hydraulis" else " (it does not fit beside the pool)")
         return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{'s' if n != 1 else ''}, --dcp-candidates {args.dcp_candidates})"
@@ -370,7 +370,7 @@ class AdaptiveSteps:
     def _budget(self, args):
         """Tokens per global batch: --dcp-global-batch-tokens, or with --step-batch-size-schedule
         the size of the batch's iteration times --seq-length (a function of the batch's index)."""
-        from megatron.training.batch_schedule import batch_size_of_iteration, from_args
+        from megatron.training.loop.batch_schedule import batch_size_of_iteration, from_args
 
         if from_args(args) is None:
             return args.dcp_global_batch_tokens
@@ -378,7 +378,7 @@ class AdaptiveSteps:
 
     def run(self, iteration: int) -> Outcome:
         from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
-        from megatron.training.batch_schedule import batch_size_of_iteration, from_args
+        from megatron.training.loop.batch_schedule import batch_size_of_iteration, from_args
 
         args = self.args
         if self.first_iteration is None:
@@ -456,14 +456,10 @@ class AdaptiveSteps:
         """What the last iterations took, what their plans predicted, and the lower bound of
         their batches with the prices as calibrated now (`dcp_ext.planning.bound`: no plan of
         those batches beats it by the cost model): how much a better plan could still win."""
-        from dcp_ext.planning.bound import lower_bound
-
         if not self.recent:
             return None
-        cm = self.planner.cm
-        layouts = sorted(getattr(self.planner, "tables", {}) or cm.all_layouts())
         try:
-            bound = sum(lower_bound(cm, lengths, layouts) + cm.iteration_overhead_s for lengths, _, _ in self.recent)
+            bound = self.planner.lower_bound_s([lengths for lengths, _, _ in self.recent])
         except ValueError:  # a batch no layout of the bound holds (a fixed planner's own layouts)
             return None
         measured = sum(m for _, m, _ in self.recent)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.argument_errors import ArgumentError
+from megatron.training.flags.argument_errors import ArgumentError
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: TE's FP8 GEMMs
@@ -252,7 +252,10 @@ def startup_notes(args, machine: Optional[Machine] = None) -> list[str]:
     if getattr(args, "tokenizer_type_defaulted", False):
         notes.append("tokenizer: --vocab-file/--merge-file without --tokenizer-type: GPT2BPETokenizer, upstream's "
                      "pretrain_gpt.py default")
-    from megatron.training.sft_flags import note as sft_note
+    if getattr(args, "dcp_planner_renamed", False):
+        notes.append("--dcp-planner dcp is now named cp-buckets (context parallelism per length bucket, NUS DCP's "
+                     "scheme); the old name still works")
+    from megatron.training.flags.sft_flags import note as sft_note
 
     if sft_note(args):
         notes.append(sft_note(args))

@@ -34,7 +34,7 @@ def refuse_nonfinite(tensors: Iterable[torch.Tensor], iteration: int, save_dir: 
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
         return
-    from megatron.training.checkpoint_protocol import read_tracker
+    from megatron.training.checkpoint.protocol import read_tracker
 
     try:
         last = read_tracker(save_dir)

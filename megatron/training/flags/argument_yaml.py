@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.training.argument_errors import ArgumentError
+from megatron.training.flags.argument_errors import ArgumentError
 
 
 def dest_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -32,8 +32,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from megatron.training import stop_signals
-from megatron.training.checkpoint_protocol import CheckpointError
+from megatron.training.startup import stop_signals
+from megatron.training.checkpoint.protocol import CheckpointError
 
 LOCK_NAME = "checkpoint.lock"
 SETTLE_S = 1.0  # how long a lock file being written by its taker may stay unreadable
@@ -328,7 +328,7 @@ def acquire(args) -> None:
     import torch.distributed as dist
 
     from megatron.training.initialize import print_rank_0
-    from megatron.training.preflight import os_problem_line
+    from megatron.training.startup.preflight import os_problem_line
 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dcp_ext.cli import profile
-from megatron.training.argument_errors import ArgumentError
+from megatron.training.flags.argument_errors import ArgumentError
 
 # Megatron flags that validation requires but profiling never uses.
 _UNUSED_REQUIRED = ["--train-iters", "1", "--lr", "1e-4", "--min-lr", "0", "--lr-warmup-iters", "0"]
@@ -47,7 +47,7 @@ def transformer_config(args, **overrides):
 
 
 def cluster_for(num_gpus: int, args):
-    from megatron.training.training_adaptive import cluster_for as dcp_cluster
+    from megatron.training.adaptive.training_adaptive import cluster_for as dcp_cluster
 
     return dcp_cluster(num_gpus, args)
 

@@ -14,10 +14,10 @@ import math
 import os
 import re
 
-from megatron.training import loop_flags
-from megatron.training.argument_errors import ArgumentError
-from megatron.training import flag_refusals, sft_flags
-from megatron.training.model_flags import check_model_flags
+from megatron.training.flags import loop_flags
+from megatron.training.flags.argument_errors import ArgumentError
+from megatron.training.flags import flag_refusals, sft_flags
+from megatron.training.flags.model_flags import check_model_flags
 
 # Ranges of every numeric flag, checked before any relation (a zero would divide; a negative
 # count or a NaN would train on nonsense). (low, low inclusive, high, high inclusive); None: open.
@@ -140,6 +140,8 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(message)
 
     flag_refusals.check(args)  # first: the line's refused flags, all of them, are the answer, whatever else it holds
+    if args.dcp_planner == "dcp":  # its old name: one planner, one name from here on (the note says so)
+        args.dcp_planner, args.dcp_planner_renamed = "cp-buckets", True
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr"):
         need(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     need(args.train_iters is not None, "--train-iters (or --train-samples) is required")

@@ -16,8 +16,8 @@ import time
 
 from dcp_ext.compat import mcore_compat
 from dcp_ext.compat.checkpoint_unpickler import CodeRefused
-from megatron.training.checkpoint_protocol import TRACKER, CheckpointError, is_complete
-from megatron.training.os_errors import exception_chain, explain_os_error
+from megatron.training.checkpoint.protocol import TRACKER, CheckpointError, is_complete
+from megatron.training.startup.os_errors import exception_chain, explain_os_error
 
 COMMON_FILE = "common.pt"  # megatron.core's common (non-sharded) state
 SHARD_INDEX = ".metadata"  # torch.distributed.checkpoint's index of every shard's bytes
@@ -96,7 +96,7 @@ def inspect_checkpoint(path: str) -> None:
 
 def fallback_hint(path: str) -> str:
     """What to do about a damaged checkpoint: the previous complete iteration next to it, named."""
-    from megatron.training.checkpoint_protocol import find_checkpoint
+    from megatron.training.checkpoint.protocol import find_checkpoint
 
     folder = os.path.abspath(path)
     root = os.path.dirname(folder)
@@ -122,7 +122,7 @@ def verify_checkpoint(path: str, skip: bool = False) -> None:
     is up (the ranks share the files); every rank raises the same CheckpointError, naming the
     first file that differs and the checkpoint to fall back to. `skip`: --no-verify-checkpoint
     (one line says so); a checkpoint without checksums is loaded with one line saying so."""
-    from megatron.training.checkpoint_checksums import CHECKSUM_FILE, ChecksumTableError, mismatches, read_checksums
+    from megatron.training.checkpoint.checksums import CHECKSUM_FILE, ChecksumTableError, mismatches, read_checksums
     from megatron.training.initialize import print_rank_0
 
     if skip:

@@ -11,8 +11,8 @@ This module is the one place to look flags up: the verdicts (`FAMILIES`, `HARMLE
 and `ROWS`, upstream's options in upstream's order, kept as data in two modules
 (`upstream_flag_rows_model`, `upstream_flag_rows_run`) for length.
 """
-from megatron.training.upstream_flag_rows_model import MODEL_ROWS
-from megatron.training.upstream_flag_rows_run import RUN_ROWS
+from megatron.training.flags.upstream_flag_rows_model import MODEL_ROWS
+from megatron.training.flags.upstream_flag_rows_run import RUN_ROWS
 
 REFUSE, ACCEPT = "refuse", "accept"
 

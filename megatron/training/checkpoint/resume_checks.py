@@ -17,7 +17,7 @@ the checkpoint whatever --lr, --min-lr or --lr-decay-iters said. Both checkpoint
 """
 from __future__ import annotations
 
-from megatron.training.checkpoint_protocol import CheckpointError
+from megatron.training.checkpoint.protocol import CheckpointError
 
 # (args attribute, the flag a user writes); compared when both sides have the attribute
 MODEL_FLAGS = (

@@ -51,7 +51,7 @@ import shutil
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
-from megatron.training.checkpoint_checksums import write_checksums
+from megatron.training.checkpoint.checksums import write_checksums
 from megatron.training.initialize import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -408,7 +408,7 @@ def use_pretrained_checkpoint(args) -> None:
     if not pretrained or (args.load and _tracker_text(args.load) is not None):
         return
     if _tracker_text(pretrained) is None:
-        from megatron.training.argument_errors import ArgumentError
+        from megatron.training.flags.argument_errors import ArgumentError
 
         raise ArgumentError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {TRACKER}); point it to "
                             "the folder that holds the tracker file")

@@ -43,7 +43,7 @@ class WorkerBatches:
     def __init__(self, dataset, consumed: int, args, dp_rank: int, dp_size: int, collate, first_iteration: int = 0):
         import itertools
 
-        from megatron.training.batch_schedule import batch_size_of_iteration
+        from megatron.training.loop.batch_schedule import batch_size_of_iteration
 
         self.collate = collate
         self.step = args.micro_batch_size * dp_size

@@ -23,7 +23,7 @@ import hashlib
 import socket
 from typing import Callable, Optional
 
-from megatron.training.collective_faults import rank_list
+from megatron.training.startup.collective_faults import rank_list
 from megatron.training.errors import AgreedTrainingError
 
 # dest -> (flag, who writes it): outputs written by one rank

@@ -18,7 +18,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.upstream_flag_table import ACCEPT, CONDITIONS, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
+from megatron.training.flags.upstream_flag_table import ACCEPT, CONDITIONS, FAMILIES, HARMLESS_VALUES, REFUSE, ROWS
 
 REGISTRY_ATTR = "_upstream_flag_registry"  # parser default: {dest: UpstreamFlag} of the flags registered
 ORDER_ATTR = "_upstream_flags_given"  # set while parsing: [(option string typed, dest)], command-line order
@@ -129,7 +129,7 @@ def add_upstream_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "upstream Megatron-LM flags not implemented here",
         "The other flags of upstream's pretrain_gpt.py parse as there: each is refused with a reason and "
         "what to use instead, or accepted without effect (listed at start). See "
-        "megatron/training/upstream_flag_table.py.")
+        "megatron/training/flags/upstream_flag_table.py.")
     existing = parser._option_string_actions
     dests = {a.dest for a in parser._actions}
     registry = {}
