@@ -192,7 +192,7 @@ def adaptive_demo(demo_cache, tmp_path_factory):
     log, plans, save = str(root / "loss.jsonl"), str(root / "plans.jsonl"), str(root / "ckpt")
     groups = str(root / "groups")
     r = run_ranks(4, demo_flags(demo_cache, "adaptive", 20, log, plans) + ["--save", save, "--save-interval", "3"],
-                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "group_count_entry.py"))
+                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "support", "group_count_entry.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     created = {rank: read_loss_log(f"{groups}.{rank}") if os.path.exists(f"{groups}.{rank}") else []
                for rank in range(4)}

@@ -29,7 +29,7 @@ from tests.support.helpers import REPO, drop_flags, read_loss_log, run_ranks, ru
 from tests.support.helpers import assert_one_line_error
 
 TOOL = "tools/checkpoint_hf.py"
-ENTRY = os.path.join(REPO, "tests", "hf_logits_entry.py")
+ENTRY = os.path.join(REPO, "tests", "support", "hf_logits_entry.py")
 VOCAB = 256  # the byte corpus: 255 values + EOD, NullTokenizer --vocab-size 255
 TOL = 1e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,

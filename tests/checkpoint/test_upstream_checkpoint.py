@@ -12,7 +12,7 @@ from tests.support.helpers import REPO, read_loss_log, run_ranks
 
 COMMON = TINY_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
                        "--use-distributed-optimizer"]
-UPSTREAM_ENTRY = os.path.join(REPO, "tests", "upstream_save_entry.py")
+UPSTREAM_ENTRY = os.path.join(REPO, "tests", "support", "upstream_save_entry.py")
 
 
 @pytest.mark.dist

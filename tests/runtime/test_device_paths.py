@@ -32,7 +32,7 @@ from tests.conftest import TINY_MODEL
 from tests.support.helpers import REPO, read_loss_log, run_fresh, run_ranks
 from tests.support.session_notes import note
 
-SIM = os.path.join(REPO, "tests", "simulated_cuda")
+SIM = os.path.join(REPO, "tests", "support", "simulated_cuda")
 ENTRY = os.path.join(SIM, "entry.py")
 SCENARIO = os.path.join(SIM, "scenario.py")
 # where a --dcp step may wait for the device: reading its loss and gradient norm (which

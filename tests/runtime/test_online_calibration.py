@@ -100,7 +100,7 @@ def test_a_pool_chosen_again_creates_no_process_group(demo_cache, tmp_path, adap
 
     log, plans, groups = str(tmp_path / "loss.jsonl"), str(tmp_path / "plans.jsonl"), str(tmp_path / "groups")
     r = run_ranks(4, demo_flags(demo_cache, "adaptive", 5, log, plans) + ["--dcp-recalibration", "on"],
-                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "group_count_entry.py"))
+                  env={"DCP_GROUP_LOG": groups}, entry=os.path.join(REPO, "tests", "support", "group_count_entry.py"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "candidate pool chosen again from the measured prices" in r.stdout, r.stdout[-3000:]
     probed = re.search(r"> dcp: measured (\d+) layouts on the first global batch before training", r.stdout)

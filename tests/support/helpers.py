@@ -352,3 +352,19 @@ def assert_one_line_error(result, needle):
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(lines) == 1, result.stderr[-2000:]
     assert lines[0].startswith("error:") and needle in lines[0], lines[0]
+
+
+def read_only_dir(root: str, on_teardown, unavailable: dict) -> str:
+    """`root/ro`, a directory nobody may write into: mode 555 for a non-root user, the
+    immutable attribute for root (undone at teardown); where neither can be had,
+    `unavailable["ro"]` says why."""
+    ro = os.path.join(root, "ro")
+    os.makedirs(ro)
+    if os.geteuid() != 0:
+        os.chmod(ro, 0o555)
+        on_teardown(lambda: os.chmod(ro, 0o755))
+    elif subprocess.run(["chattr", "+i", ro], capture_output=True).returncode == 0:
+        on_teardown(lambda: subprocess.run(["chattr", "-i", ro], capture_output=True))
+    else:
+        unavailable["ro"] = "root without CAP_LINUX_IMMUTABLE: cannot make a read-only directory"
+    return ro

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.support.helpers import read_only_dir
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = ["--yaml-cfg", os.path.join(REPO, "examples", "cpu_demo.yaml")]
 HUGE = "99999999999999999999999"
@@ -139,15 +141,7 @@ def make_outputs(root: str, on_teardown) -> dict:
     mode 555, or the immutable attribute for root), `rofs` (a read-only file system), `full`
     (a full 64 KiB tmpfs) and `small` (a 128 KiB tmpfs, empty: fills during a larger write)."""
     unavailable = {}
-    ro = os.path.join(root, "ro")
-    os.makedirs(ro)
-    if os.geteuid() != 0:
-        os.chmod(ro, 0o555)
-        on_teardown(lambda: os.chmod(ro, 0o755))
-    elif subprocess.run(["chattr", "+i", ro], capture_output=True).returncode == 0:
-        on_teardown(lambda: subprocess.run(["chattr", "-i", ro], capture_output=True))
-    else:
-        unavailable["ro"] = "root without CAP_LINUX_IMMUTABLE: cannot make a read-only directory"
+    read_only_dir(root, on_teardown, unavailable)
     for name, options in (("rofs", "ro,size=64k"), ("full", "size=64k"), ("small", "size=128k")):
         path = os.path.join(root, name)
         os.makedirs(path)

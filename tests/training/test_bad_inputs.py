@@ -36,7 +36,7 @@ from tests.support import checkpoint_payloads as payloads
 from tests.conftest import TINY_MODEL
 from tests.support.entry_runner import make_runner, run_case
 from tests.support.helpers import ENTRY, drop_flags, kill_tree, rank_processes, read_loss_log, run_ranks, start_ranks
-from tests.support.helpers import assert_one_line_error
+from tests.support.helpers import assert_one_line_error, read_only_dir
 
 pytestmark = pytest.mark.dist
 
@@ -264,15 +264,7 @@ def make_output_fixtures(root: str, static_ckpt: str, on_teardown) -> tuple[str,
         shutil.copytree(os.path.join(static_ckpt, "iter_0000002"), os.path.join(root, name, leftover))
     os.remove(os.path.join(root, "half_aside", "iter_0000003.old", "metadata.json"))
     unavailable = {}
-    ro = os.path.join(root, "ro")
-    os.makedirs(ro)
-    if os.geteuid() != 0:
-        os.chmod(ro, 0o555)
-        on_teardown(lambda: os.chmod(ro, 0o755))
-    elif subprocess.run(["chattr", "+i", ro], capture_output=True).returncode == 0:
-        on_teardown(lambda: subprocess.run(["chattr", "-i", ro], capture_output=True))
-    else:
-        unavailable["ro"] = "root without CAP_LINUX_IMMUTABLE: cannot make a read-only directory"
+    ro = read_only_dir(root, on_teardown, unavailable)
     if "ro" not in unavailable:
         try:
             open(os.path.join(ro, "probe"), "w").close()

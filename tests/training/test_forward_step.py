@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import TINY_MODEL
 from tests.support.helpers import REPO, read_loss_log, run_ranks
 
-ENTRY = os.path.join(REPO, "tests", "scaled_loss_entry.py")
+ENTRY = os.path.join(REPO, "tests", "support", "scaled_loss_entry.py")
 FLAGS = {"static": ["--micro-batch-size", "2", "--global-batch-size", "8"],
          "dcp": ["--dcp", "--dcp-global-batch-tokens", "1024", "--dcp-max-seq-len", "128"]}
 
@@ -51,7 +51,7 @@ def test_a_batch_key_dcp_lacks_is_one_line(text_corpus, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-ZLOSS = os.path.join(REPO, "tests", "zloss_entry.py")
+ZLOSS = os.path.join(REPO, "tests", "support", "zloss_entry.py")
 
 
 @pytest.mark.dist

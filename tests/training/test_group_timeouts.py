@@ -27,7 +27,7 @@ def test_every_group_waits_the_flags_timeout(path, text_corpus, tmp_path):
     log = str(tmp_path / "timeouts")
     flags = TINY_MODEL + PATHS[path] + ["--train-iters", "1", "--data-path", text_corpus, "--data-cache-path",
                                         str(tmp_path / "cache"), "--distributed-timeout-minutes", "7"]
-    r = run_ranks(2, flags, env={"DCP_GROUP_TIMEOUTS": log}, entry=os.path.join(REPO, "tests", "group_timeout_entry.py"),
+    r = run_ranks(2, flags, env={"DCP_GROUP_TIMEOUTS": log}, entry=os.path.join(REPO, "tests", "support", "group_timeout_entry.py"),
                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     files = sorted(glob.glob(log + ".*"))
