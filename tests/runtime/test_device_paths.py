@@ -189,7 +189,7 @@ def test_engine_through_layouts_on_the_device_matches_the_cpu(shim, tmp_path):
 PROBE = r"""
 import json, os, sys
 sys.path.insert(0, os.environ["REPO"])
-from tests import simulated_cuda as sc
+from tests.support import simulated_cuda as sc
 sim = sc.install(os.environ["SIMULATED_CUDA_SHIM"])
 import torch, torch.distributed as dist
 out = {}

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, REPO)
 
-from tests import simulated_cuda  # noqa: E402
+from tests.support import simulated_cuda  # noqa: E402
 
 sim = simulated_cuda.install(os.environ.get("SIMULATED_CUDA_SHIM"))
 

@@ -22,7 +22,7 @@ sys.path.insert(0, REPO)
 
 SIMULATED = os.environ.get("SIMULATED_CUDA") == "1"
 if SIMULATED:
-    from tests import simulated_cuda
+    from tests.support import simulated_cuda
 
     sim = simulated_cuda.install(os.environ.get("SIMULATED_CUDA_SHIM"))
 
