@@ -104,11 +104,23 @@ def _describe(what: str, args) -> str:
     return what
 
 
+def _fixture_key(fixturedef) -> tuple[str, str]:
+    """A fixture by where it is defined and its name: two files may each define (or
+    parametrize) a `runs` that have nothing to do with each other."""
+    return (fixturedef.baseid, fixturedef.argname)
+
+
+def _fixtures_used(item) -> list[tuple[str, str]]:
+    """The fixtures `item` resolves to (the innermost definition of each name it uses)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return [_fixture_key(chain[-1]) for name in item.fixturenames if (chain := defs.get(name))]
+
+
 class TierPlugin:
     def __init__(self, config):
         self.config = config
         self.guard = _Guard()
-        self.spawning_fixtures: dict[str, str] = {}  # fixture name -> what it started
+        self.spawning_fixtures: dict[tuple[str, str], str] = {}  # (where defined, name) -> what it started
         self.durations: dict[str, dict] = {t: {"count": 0, "seconds": 0.0} for t in TIERS}
         self.slow_units: list[tuple[float, str]] = []
         self.unmarked_slow: list[tuple[float, str]] = []
@@ -140,7 +152,7 @@ class TierPlugin:
         before = len(watcher["spawns"]) if watcher else 0
         yield
         if watcher and len(watcher["spawns"]) > before:
-            self.spawning_fixtures.setdefault(fixturedef.argname, watcher["spawns"][before][1])
+            self.spawning_fixtures.setdefault(_fixture_key(fixturedef), watcher["spawns"][before][1])
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -159,9 +171,9 @@ class TierPlugin:
             problem = (f"{item.nodeid} started a process ({watcher['spawns'][0][1]}) but is not marked dist: "
                        "add @pytest.mark.dist (or make it a one-process test)")
         elif call.when == "setup":
-            used = [f for f in item.fixturenames if f in self.spawning_fixtures]
+            used = [key for key in _fixtures_used(item) if key in self.spawning_fixtures]
             if used:
-                problem = (f"{item.nodeid} uses fixture '{used[0]}', which starts processes "
+                problem = (f"{item.nodeid} uses fixture '{used[0][1]}', which starts processes "
                            f"({self.spawning_fixtures[used[0]]}), but is not marked dist: add @pytest.mark.dist")
         if problem and not report.failed:
             report.outcome = "failed"
