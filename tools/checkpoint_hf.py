@@ -305,7 +305,9 @@ def read_checkpoint(load: str) -> tuple[dict, argparse.Namespace, str]:
     if saved is None:
         raise HFError(f"{path}: the checkpoint stores no model flags (args); cannot tell its shape")
     shape = shape_from_args(saved, path)
-    if common.get("format") == "dcp-fixed-sharding/v1":
+    from megatron.training.checkpoint.checkpointing_adaptive import is_adaptive
+
+    if is_adaptive(common):
         return _read_dcp(path, common), saved, path
     from megatron.core import dist_checkpointing
 
@@ -320,9 +322,9 @@ def _read_dcp(path: str, common: dict) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron.training.checkpoint.inspector import load_or_explain
-    from megatron.training.checkpoint.checkpointing_adaptive import local_name
+    from megatron.training.checkpoint.checkpointing_adaptive import local_name, tensor_key
 
-    request = {n: ShardedTensor.from_rank_offsets("dcp.param." + n, torch.empty(s), replica_id=0)
+    request = {n: ShardedTensor.from_rank_offsets(tensor_key(common, "param", n), torch.empty(s), replica_id=0)
                for n, s in common["canonical"]}
     state = load_or_explain(request, path, validate_access_integrity=False)
     return {local_name(n): state[n].float() for n, _ in common["canonical"]}

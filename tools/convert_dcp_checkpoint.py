@@ -1,7 +1,7 @@
 """Export an adaptive-runtime (`--dcp`) checkpoint as a plain Megatron checkpoint of the weights.
 
 Why this exists: a `--dcp` checkpoint stores the model layout-free, one tensor per
-canonical parameter (`dcp.param.<name>`, the full TP1/PP1 GPTModel's names) plus Adam
+canonical parameter (`adaptive.param.<name>`, the full TP1/PP1 GPTModel's names) plus Adam
 moments. Upstream Megatron tooling (and this fork's static path) expect Megatron's own
 layout instead: `latest_checkpointed_iteration.txt`, `iter_XXXXXXX/`, torch_dist shards
 keyed by the GPTModel's `sharded_state_dict()`. This tool writes exactly that, at any
@@ -55,8 +55,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-DCP_FORMAT = "dcp-fixed-sharding/v1"
-EXPORT_FORMAT = "megatron-weights-from-dcp/v1"
+EXPORT_FORMAT = "megatron-weights-from-adaptive/v1"
 class ConversionError(RuntimeError):
     """A checkpoint or request this tool cannot convert; the message is one line."""
 
@@ -147,6 +146,7 @@ def load_common(path: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from dcp_ext.compat.checkpoint_unpickler import CodeRefused
+    from megatron.training.checkpoint.checkpointing_adaptive import is_adaptive
 
     try:
         common = dist_checkpointing.load_common_state_dict(path)
@@ -155,7 +155,7 @@ def load_common(path: str) -> dict:
     except Exception as e:  # unreadable/garbled common state
         raise ConversionError(f"{path}: cannot read the checkpoint's common state "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    if not isinstance(common, dict) or common.get("format") != DCP_FORMAT:
+    if not is_adaptive(common):
         raise ConversionError(f"{path}: not an adaptive-runtime (--dcp) checkpoint; a checkpoint saved without --dcp "
                               "is already in Megatron's layout and loads at any TP/PP as it is")
     if "canonical" not in common or not common["canonical"]:
@@ -245,7 +245,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
     from megatron.training.checkpoint import protocol as ckpt
     from megatron.training import global_vars
-    from megatron.training.checkpoint.checkpointing_adaptive import ShapesOnly, local_name
+    from megatron.training.checkpoint.checkpointing_adaptive import ShapesOnly, local_name, tensor_key
     from megatron.training.training import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
@@ -298,20 +298,20 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     needed = sorted({t.name for _, t, _ in plan})
     request = {}
     for name in needed:
-        key = "dcp.param." + stored.get(name, name)
+        key = tensor_key(common, "param", stored.get(name, name))
         request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(space.tensors[name].shape), replica_id=rank)
     # each rank reads only the canonical tensors its stage needs (no rank is the main replica)
     state = dist_checkpointing.load(request, path, validate_access_integrity=False)
     with torch.no_grad():
         for lp, t, rel in plan:
-            value = state["dcp.param." + stored.get(t.name, t.name)].reshape(-1)[rel]
+            value = state[tensor_key(common, "param", stored.get(t.name, t.name))].reshape(-1)[rel]
             lp.param.data.copy_(value.to(lp.param.dtype))
     out = {
         "args": ckpt.common_args(args),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": common.get("consumed_train_samples", 0),
-        "exported_from": {"path": os.path.abspath(path), "format": DCP_FORMAT, "export_format": EXPORT_FORMAT},
+        "exported_from": {"path": os.path.abspath(path), "format": common["format"], "export_format": EXPORT_FORMAT},
         "model": model.sharded_state_dict(),
     }
     ckpt.save_sharded_atomic(args.save, iteration, out)

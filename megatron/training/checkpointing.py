@@ -222,13 +222,13 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         return 0, 0
     path, _ = found
     common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
-    if common.get("format") == "dcp-fixed-sharding/v1":
+    from megatron.training.checkpoint.checkpointing_adaptive import is_adaptive, load_dcp_weights  # (issue 28)
+
+    if is_adaptive(common):
         if not (args.finetune or args.no_load_optim):
             raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
                                   "start from its weights with --finetune, or export it with "
                                   "tools/convert_dcp_checkpoint.py")
-        from megatron.training.checkpoint.checkpointing_adaptive import load_dcp_weights  # weights only (issue 28)
-
         load_dcp_weights(args, unwrap(model), path, common)
         if args.bf16 or args.fp16:
             optimizer.reload_model_params()

@@ -29,17 +29,21 @@ def old(tmp_path):
         return str(tmp_path / "old"), json.load(f)
 
 
-def test_the_fixture_is_of_the_old_names(old):
+def names_of(folder: str) -> tuple[str, list[str]]:
+    """A saved iteration's format (common.pt) and tensor keys (torch_dist's metadata)."""
     import torch
-
-    path, _ = old
-    common = torch.load(os.path.join(path, "checkpoint", "iter_0000002", "common.pt"), weights_only=False)
-    assert common["format"] == "dcp-fixed-sharding/v1"
     from torch.distributed.checkpoint import FileSystemReader
 
-    names = list(FileSystemReader(os.path.join(path, "checkpoint", "iter_0000002")).read_metadata().state_dict_metadata)
-    assert any(n.startswith("dcp.param.") for n in names), names[:5]
-    assert not any(n.startswith("adaptive.") for n in names), names[:5]
+    common = torch.load(os.path.join(folder, "common.pt"), weights_only=False)
+    return common["format"], list(FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
+def test_the_fixture_is_of_the_old_names(old):
+    path, _ = old
+    form, keys = names_of(os.path.join(path, "checkpoint", "iter_0000002"))
+    assert form == "dcp-fixed-sharding/v1"
+    assert any(k.startswith("dcp.param.") for k in keys), keys[:5]
+    assert not any(k.startswith("adaptive.") for k in keys), keys[:5]
 
 
 def test_a_checkpoint_of_the_old_names_resumes_where_its_run_left_off(old, tmp_path):
@@ -47,12 +51,16 @@ def test_a_checkpoint_of_the_old_names_resumes_where_its_run_left_off(old, tmp_p
     log = str(tmp_path / "resumed.jsonl")
     r = run_ranks(1, ref["flags"] + ["--data-path", os.path.join(path, "corpus_text_document"),
                                       "--data-cache-path", str(tmp_path / "cache"), "--loss-log", log,
-                                      "--load", os.path.join(path, "checkpoint")])
+                                      "--load", os.path.join(path, "checkpoint"), "--save", str(tmp_path / "new")])
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = read_loss_log(log)
     assert [x["iteration"] for x in resumed] == [3, 4]
     for x in resumed:
         assert x["lm loss"] == pytest.approx(ref["lm_loss"][str(x["iteration"])], rel=1e-5), x
+    # what it saves is of the new names
+    form, keys = names_of(str(tmp_path / "new" / "iter_0000004"))
+    assert form == "adaptive-canonical/v1"
+    assert any(k.startswith("adaptive.exp_avg.") for k in keys) and not any(k.startswith("dcp.") for k in keys)
 
 
 def _without_dcp(flags: list[str]) -> list[str]:

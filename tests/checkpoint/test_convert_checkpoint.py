@@ -76,6 +76,7 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     from megatron.training.arguments import parse_args
     from megatron.training.loop.batches import collate_fixed_length
     from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
+    from megatron.training.checkpoint.checkpointing_adaptive import tensor_key
     from megatron.training.initialize import set_random_seed
     from megatron.training.training import micro_batches, transformer_config_from_args
 
@@ -90,10 +91,9 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
 
     path = checkpoint_dir(dcp_dir, read_tracker(dcp_dir))
     common = dist_checkpointing.load_common_state_dict(path)
-    request = {f"dcp.param.{n}": ShardedTensor.from_rank_offsets(f"dcp.param.{n}", torch.empty(s), replica_id=0)
+    request = {n: ShardedTensor.from_rank_offsets(tensor_key(common, "param", n), torch.empty(s), replica_id=0)
                for n, s in common["canonical"]}
-    canonical = {k[len("dcp.param."):]: v for k, v in dist_checkpointing.load(request, path).items()
-                 if k.startswith("dcp.param.")}
+    canonical = {n: v for n, v in dist_checkpointing.load(request, path).items() if n in request}  # less common.pt
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
     batches = list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, args=args)))

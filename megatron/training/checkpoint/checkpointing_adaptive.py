@@ -26,8 +26,23 @@ from megatron.training.checkpoint.inspector import check_saved_parts, load_or_ex
 from megatron.training.initialize import print_rank_0
 from megatron.training.checkpoint.resume_checks import check_model_args, reconcile_lr_schedule
 
-FORMAT = "dcp-fixed-sharding/v1"
+# Our format and tensor keys. Checkpoints saved before the rename (December 2026) say
+# "dcp-fixed-sharding/v1" with "dcp.<kind>.<name>" keys, a name beside PyTorch's own DCP
+# (torch.distributed.checkpoint); they still load: each format names its keys' prefix.
+FORMAT = "adaptive-canonical/v1"
+KEY_PREFIX = {FORMAT: "adaptive", "dcp-fixed-sharding/v1": "dcp"}
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def is_adaptive(common) -> bool:
+    """Whether a checkpoint's common state is one of ours (under either name)."""
+    return isinstance(common, dict) and common.get("format") in KEY_PREFIX
+
+
+def tensor_key(common: dict | None, kind: str, name: str) -> str:
+    """The key of canonical tensor `name`'s `kind` (param, exp_avg, exp_avg_sq) in the
+    checkpoint whose common state is `common` (None: the one being written)."""
+    return f"{KEY_PREFIX[FORMAT if common is None else common['format']]}.{kind}.{name}"
 
 
 LOAD_GROUP = 1 << 26  # elements of canonical tensors read per dist_checkpointing.load call
@@ -45,10 +60,6 @@ def _groups(tensors, limit: int):
         size += t.numel
     if group:
         yield group
-
-
-def _key(kind: str, name: str) -> str:
-    return f"dcp.{kind}.{name}"
 
 
 def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
@@ -72,7 +83,8 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
         for kind in kinds:
             value = engine.gather_tensor(shards[kind], t, writer)
             if value is not None:
-                state[_key(kind, t.name)] = _sharded(_key(kind, t.name), value.cpu(), replica_id=0)
+                key = tensor_key(None, kind, t.name)
+                state[key] = _sharded(key, value.cpu(), replica_id=0)
     del avg, avg_sq, shards
     state.update({
         "args": ckpt.common_args(args),
@@ -95,7 +107,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
         return 0, 0
     path, _ = found
     common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
-    if common.get("format") != FORMAT:
+    if not is_adaptive(common):
         if not (args.finetune or args.no_load_optim):
             raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp, or "
                                        "imported): start --dcp from its weights with --finetune (or "
@@ -125,14 +137,15 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     # rank holds at most ~LOAD_GROUP elements per kind at once; no rank is "the" main replica
     for group in _groups(list(engine.space.tensors.values()), LOAD_GROUP):
         request = {
-            _key(kind, t.name): _sharded(_key(kind, t.name), torch.empty(t.shape), replica_id=engine.rank)
+            tensor_key(common, kind, t.name): _sharded(tensor_key(common, kind, t.name), torch.empty(t.shape),
+                                                       replica_id=engine.rank)
             for t in group for kind in kinds
         }
         state = load_or_explain(request, path, validate_access_integrity=False)
         for t in group:
             for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
                 for kind in kinds:
-                    values = state[_key(kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
+                    values = state[tensor_key(common, kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
                     shard[kind][piece.local(lo, hi)] = values
         del state, request
     engine.optimizer.set_master(shard["param"])
@@ -294,8 +307,9 @@ def load_dcp_weights(args, model, path: str, common: dict) -> None:
     except (KeyError, ValueError) as e:
         raise ckpt.CheckpointError(f"{path}: the model flags do not describe its model ({str(e).strip()})") from None
     needed = sorted({lp.canonical for lp in local})
-    request = {n: ShardedTensor.from_rank_offsets("dcp.param." + stored[n], torch.empty(space.tensors[n].shape),
-                                                  replica_id=dist.get_rank()) for n in needed}
+    request = {n: ShardedTensor.from_rank_offsets(tensor_key(common, "param", stored[n]),
+                                                  torch.empty(space.tensors[n].shape), replica_id=dist.get_rank())
+               for n in needed}
     state = load_or_explain(request, path, validate_access_integrity=False)
     with torch.no_grad():
         for lp in local:
