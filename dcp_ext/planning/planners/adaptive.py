@@ -32,23 +32,22 @@ The Hydraulis baseline is this planner restricted to cp == 1 and no recompute ch
 """
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.assign.backend import kernel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
 from dcp_ext.planning.planners.candidates import Pool, build_pool, stderr_progress
-from dcp_ext.planning.planners.rebalance import rebalance
+from dcp_ext.planning.planners.side_plan import enabled as side_plan_enabled, side_plan
+from dcp_ext.planning.planners.stage1 import assign_documents
 from dcp_ext.planning.batching import extreme_batches, sample_batches
 from dcp_ext.planning.layout import canonical, describe, expand, mix_label, parse_layout, place
 from dcp_ext.planning.planners.errors import PlanningError
-from dcp_ext.planning.planners.packing import PackedReplica, finish_replica, pack_and_price, to_iteration_plan
+from dcp_ext.planning.planners.packing import PackedReplica, pack_and_price, to_iteration_plan
 from dcp_ext.planning.planners.tables import make_type_table
 
 
@@ -124,17 +123,7 @@ class AdaptivePlanner(PlannerBase):
         self.move_targets = move_targets
         self.small_batch = small_batch
         self.side_plan_max_docs = side_plan_max_docs
-        if side_plan not in ("auto", "on", "off"):
-            raise ValueError(f"side_plan must be auto, on or off, not {side_plan!r}")
-        self._use_assign = False
-        if side_plan != "off":
-            try:
-                import dcp_ext.assign as _assign
-
-                self._use_assign = side_plan == "on" or _assign.cpp_available()
-            except ImportError:
-                if side_plan == "on":
-                    raise
+        self._use_side_plan = side_plan_enabled(side_plan)
         self.max_moves = max_moves
         self.max_layouts = max_layouts
         self.rechoose_pool = bool(rechoose_pool) and layouts is None
@@ -170,7 +159,10 @@ class AdaptivePlanner(PlannerBase):
         if static_layout is not None:
             self._add_static_entry(Layout(*static_layout), max_layouts, layout_filter)
         if self.uneven_stages != "off":
-            self._choose_stage_splits()
+            from dcp_ext.planning.planners.stage_split import choose_stage_splits
+
+            layouts = sorted({l for c in self.pool.layouts for l, _ in c})
+            choose_stage_splits(self.cm, layouts, self.tables, self.length_sample, self.uneven_stages == "even")
         self._charge_pool_buffers(recompute)
         self._use_pool(self.pool)
         for c in self.pool.layouts:
@@ -179,52 +171,6 @@ class AdaptivePlanner(PlannerBase):
             self._register(self._aligned(lay))
         self._holdable = min(self.max_seq_len, max(t.max_doc for t in self.pool_tables.values()))
         self._last_index: int | None = None
-
-    def _choose_stage_splits(self) -> None:
-        """One split per pipelined layout of the pool (`stage_split`), registered with the
-        cost model (its memory and the replica types follow it)."""
-        from dcp_ext.planning.planners.stage_split import balanced_split
-
-        L = self.model.num_layers
-        for lay in sorted({l for c in self.pool.layouts for l, _ in c}):
-            if lay.pp == 1 or self.cm.quadratic(lay) or lay not in self.tables:
-                continue
-            even = (L // lay.pp,) * lay.pp
-            split = even if self.uneven_stages == "even" else balanced_split(self.cm, lay, self.tables[lay],
-                                                                               self.length_sample, self.lp)
-            self.cm.stage_splits[lay] = tuple(split)
-
-    @property
-    def lp(self):
-        from dcp_ext.planning.simulator import layer_prices
-
-        return layer_prices(self.cm)
-
-    def _v2(self, prep: BatchPrep, reps: list[PackedReplica]) -> list[PackedReplica]:
-        """The plan contract v2 pass over the chosen plan's replicas (`layer_plan.plan_v2`):
-        every pipelined replica gets its layout's stage split (priced and fitted per stage);
-        layer strategies then go to the slowest replica, then the next slowest, while that
-        lowers the iteration's time (the slowest replica decides it: once it cannot get
-        faster, no other replica's moves would change the plan's time)."""
-        if self.layer_strategies == "off" and not self.cm.stage_splits:
-            return reps
-        from dcp_ext.planning.planners.layer_plan import plan_v2
-
-        R = len(reps)
-        out = [plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list,
-                       self.cm.stage_splits.get(r.layout), R, False) for r in reps]
-        if self.layer_strategies == "off":
-            return out
-        tried: set[int] = set()
-        while len(tried) < R:
-            k = max((i for i in range(R) if i not in tried), key=lambda i: (out[i].time_s, -i))
-            tried.add(k)
-            r = out[k]
-            new = plan_v2(self.cm, self.lp, self.pool_tables[r.layout], r, prep.s_list, r.stage_layers, R, True)
-            if new.time_s >= r.time_s:
-                break
-            out[k] = new
-        return out
 
     def _add_static_entry(self, lay: Layout, max_layouts: int, layout_filter) -> None:
         """The static layout's entry joins the pool (first), displacing the last entry the
@@ -536,11 +482,12 @@ class AdaptivePlanner(PlannerBase):
             t_est, c, order, bounds = est[i]
             reps = self._full_plan(prep, c, order, bounds)
             plans[i] = (max(r.time_s for r in reps) * weight[i], reps)
-        if self._use_assign and prep.n <= self.side_plan_max_docs:
+        if self._use_side_plan and prep.n <= self.side_plan_max_docs:
             # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
             # prices lower stays
             i = min(plans, key=lambda i: (plans[i][0], i))
-            alt = self._assign_plan(prep, est[i][1], est[i][0] / weight[i], beat=plans[i][0] / weight[i])
+            alt = side_plan(self.cm, self.pool_tables, self.placements[est[i][1]], prep, est[i][0] / weight[i],
+                            self.seed, beat=plans[i][0] / weight[i])
             if alt is not None:
                 t_alt = max(r.time_s for r in alt) * weight[i]
                 if t_alt < plans[i][0]:
@@ -559,7 +506,12 @@ class AdaptivePlanner(PlannerBase):
         self._current = self.pool.layouts[best]
         # the plan contract v2 pass (layer strategies, uneven stages) on the chosen plan only:
         # it never makes a replica slower, and the choice above stays the v1 planner's
-        return to_iteration_plan(index, sample_ids, self._v2(prep, plans[best][1]), self.cm)
+        reps = plans[best][1]
+        if self.layer_strategies == "on" or self.cm.stage_splits:
+            from dcp_ext.planning.planners.layer_plan import v2_pass
+
+            reps = v2_pass(self.cm, self.pool_tables, reps, prep.s_list, self.layer_strategies == "on")
+        return to_iteration_plan(index, sample_ids, reps, self.cm)
 
     @property
     def mix_factor(self) -> float:
@@ -588,128 +540,6 @@ class AdaptivePlanner(PlannerBase):
         R = len(placement)
         sync = [prep.sync(lay, R) for lay, _ in placement]
         j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [len(order) - 1] * prep.n
-        stage1 = kernel("stage1")
-        if stage1 is not None and prep.n:
-            docs = self._stage1_cpp(stage1, prep, counts, placement, sync, order, j_of_pos)
-        else:
-            docs = self._stage1(prep, counts, placement, sync, order, j_of_pos)
+        docs = assign_documents(prep, counts, placement, sync, order, j_of_pos, self.move_targets, self.max_moves)
         # stage 2: pack, choose recompute, price exactly
         return pack_and_price(self.cm, self.pool_tables, prep, placement, docs)
-
-    def _stage1_cpp(self, stage1, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order,
-                    j_of_pos) -> list[list[int]]:
-        """`_stage1` by the C++ kernel (csrc/planner.cpp), equal to it."""
-        types = list(dict.fromkeys(lay for lay, _ in placement))
-        tob = [prep.types[lay] for lay in types]
-        index = {lay: t for t, lay in enumerate(types)}
-        costs = np.stack([t.cost for t in tob])
-        in_order = np.array([index[lay] for lay, _, _ in order], dtype=np.int64)
-        held = np.isfinite(costs[in_order]).any(axis=0)
-        if not held.all():
-            p = int(np.argmin(held))
-            raise PlanningError(f"a sequence of {int(prep.ss[p])} tokens fits no replica of {describe(counts)}")
-        return stage1(costs, np.array([lay.pp for lay in types], dtype=np.int64), np.array([t.c0 for t in tob], dtype=float),
-                      np.array([t.tt.mb_full for t in tob], dtype=float),
-                      np.array([index[lay] for lay, _ in placement], dtype=np.int64), np.asarray(sync, dtype=float),
-                      in_order, np.asarray(j_of_pos, dtype=np.int64), int(self.move_targets),
-                      -1 if self.max_moves is None else int(self.max_moves))
-
-    def _stage1(self, prep: BatchPrep, counts: LayoutMix, placement, sync: list[float], order, j_of_pos) -> list[list[int]]:
-        """Which replica runs each document (sorted positions per replica): the Python
-        reference of the kernel `_stage1_cpp` runs."""
-        R = len(placement)
-        by_type: dict[Layout, list[int]] = {}
-        for k, (lay, _) in enumerate(placement):
-            by_type.setdefault(lay, []).append(k)
-        docs: list[list[int]] = [[] for _ in range(R)]  # sorted positions per replica
-        work = [0.0] * R
-        tob = [prep.types[lay] for lay, _ in placement]
-
-        # stage 1a: earliest finish, longest first. A document may go to the type whose
-        # length range (from the estimate) holds it or to a type ranked before it (more
-        # capable); shorter documents then fill whatever is left anywhere.
-        heaps = []
-        for lay, _, _ in order:
-            h = [(sync[k], k) for k in by_type[lay]]
-            heapq.heapify(h)
-            heaps.append(h)
-        is_pp = [lay.pp > 1 for lay, _, _ in order]
-        costs = [prep.types[lay].cost for lay, _, _ in order]
-        big = [0.0] * R
-        nt = len(order)
-        inf = math.inf
-        for p in range(prep.n):
-            jmax = j_of_pos[p]
-            if jmax >= nt:
-                jmax = nt - 1
-            best_k, best_t, best_j = -1, inf, -1
-            for j in range(jmax + 1):
-                c = costs[j][p]
-                if c == inf:
-                    continue
-                load, k = heaps[j][0]
-                if is_pp[j]:
-                    t = tob[k].finish(sync[k], work[k] + c, big[k] if big[k] > c else c)
-                else:
-                    t = load + c  # the heap holds k's finish: sync + work, summed document by document
-                if t < best_t:
-                    best_k, best_t, best_j = k, t, j
-            if best_k < 0:  # nothing up to its range holds it: any type that can
-                for j in range(nt):
-                    c = costs[j][p]
-                    if c != inf:
-                        load, k = heaps[j][0]
-                        t = tob[k].finish(sync[k], work[k] + c, max(big[k], c))
-                        if t < best_t:
-                            best_k, best_t, best_j = k, t, j
-            if best_k < 0:
-                raise PlanningError(f"a sequence of {int(prep.ss[p])} tokens fits no replica of {describe(counts)}")
-            c = costs[best_j][p]
-            docs[best_k].append(p)
-            work[best_k] += c
-            if is_pp[best_j] and c > big[best_k]:
-                big[best_k] = c
-            heapq.heapreplace(heaps[best_j], (best_t, best_k))
-        # stage 1b: move documents from the most to the least loaded replica
-        rebalance(docs, work, tob, sync, self.move_targets, self.max_moves)
-        return docs
-
-    def _assign_plan(self, prep: BatchPrep, counts: LayoutMix, t_est: float,
-                     beat: float = math.inf) -> list[PackedReplica] | None:
-        """Stage 1 + 2 by dcp_ext.assign.plan_replicas. Its cost model has no per-replica
-        constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
-        scaled times then mean equal finish times with sync), and micro-batches are capped
-        at the no-recompute token cap (a batch with a document longer than every cap is
-        left to the Python stage 1). Nor does it know quadratic memory: there a replica takes
-        documents up to the longest that fits without recompute, finish_replica raises the
-        recompute its packed micro-batches need, and a plan memory cannot hold is no plan.
-        `beat`: the time the plan must be faster than to be taken; once a replica's time
-        reaches it, the rest is not priced (None: the caller keeps its plan either way)."""
-        import dcp_ext.assign as A
-
-        placement = self.placements[counts]
-        R = len(placement)
-        rcs = []
-        for lay, _ in placement:
-            tt = self.pool_tables[lay]
-            co = self.cm.coeffs(lay, 0)
-            sync = prep.sync(lay, R)
-            k = t_est / max(t_est - sync, 1e-9 * t_est)
-            cap = int(tt.cap_mb)
-            longest = min(cap, int(tt.doc_caps[0])) if tt.quadratic else cap
-            if cap < 1 or longest < 1:
-                return None
-            rcs.append(A.ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, longest, cap))
-        if prep.n and int(prep.s.max()) > max(r.max_seq_len for r in rcs):
-            return None
-        res = A.plan_replicas(prep.s, rcs, seed=self.seed)
-        out = []
-        for k, (lay, ranks) in enumerate(placement):
-            mbs = [([int(d) for d in mb], 0) for mb in res.micro_batches[k] if len(mb)]
-            try:
-                out.append(finish_replica(self.cm, self.pool_tables[lay], ranks, prep.s_list, mbs, R))
-            except PlanningError:
-                return None
-            if not out[-1].time_s < beat:
-                return None  # its slowest replica is already no faster: it cannot be taken
-        return out

@@ -249,7 +249,6 @@ class CPBucketsPlanner(_CPPoolPlanner):
             cost[c] = dict(zip(sel.tolist(), cst.tolist()))
             work[c] = float(cst.sum()) * c  # ranks x seconds
         # ranks per bucket in proportion to work, whole groups, at least one each
-        total = sum(work.values()) or 1.0
         groups_n = {c: 1 for c in buckets}
         used = sum(buckets)
         if used > D:

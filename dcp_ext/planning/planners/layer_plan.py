@@ -372,3 +372,30 @@ def _exact(cm, lp, R: ReplicaV2, rep: PackedReplica, st, k, adopt, lvl, beat: fl
         return _exact(cm, lp, R, rep, None, 0, np.zeros(R.m, dtype=bool), R.base_lvl, None)
     return PackedReplica(R.layout, list(rep.ranks), mbs, t, pipe, R.sync, peak, stage_layers=R.split,
                          layer_strategies=strategies)
+
+
+def v2_pass(cm: CostModel, pool_tables: dict, reps: list[PackedReplica], s: Sequence[int],
+            layer_strategies: bool) -> list[PackedReplica]:
+    """The plan contract v2 pass over a chosen plan's replicas (`plan_v2`): every pipelined
+    replica gets its layout's stage split (priced and fitted per stage); with
+    `layer_strategies`, layer strategies then go to the slowest replica, then the next
+    slowest, while that lowers the iteration's time (the slowest replica decides it: once it
+    cannot get faster, no other replica's moves would change the plan's time). It never
+    makes a replica slower."""
+    from dcp_ext.planning.simulator import layer_prices
+
+    lp = layer_prices(cm)
+    R = len(reps)
+    out = [plan_v2(cm, lp, pool_tables[r.layout], r, s, cm.stage_splits.get(r.layout), R, False) for r in reps]
+    if not layer_strategies:
+        return out
+    tried: set[int] = set()
+    while len(tried) < R:
+        k = max((i for i in range(R) if i not in tried), key=lambda i: (out[i].time_s, -i))
+        tried.add(k)
+        r = out[k]
+        new = plan_v2(cm, lp, pool_tables[r.layout], r, s, r.stage_layers, R, True)
+        if new.time_s >= r.time_s:
+            break
+        out[k] = new
+    return out

@@ -180,3 +180,19 @@ def balanced_split(cm: CostModel, layout: Layout, table, length_sample: Sequence
         if caps[bad] < even[bad]:
             return tuple(even)
     return tuple(even)
+
+
+def choose_stage_splits(cm: CostModel, layouts: Sequence[Layout], tables: dict, length_sample: Sequence[int],
+                        even: bool) -> None:
+    """One split per pipelined layout of `layouts` (`balanced_split`, or the even split with
+    `even`: every stage priced on its own, the control for what balancing buys), registered
+    with the cost model (`cm.stage_splits`: its memory and the replica types follow it).
+    Layouts whose memory is quadratic in lengths, or without a table, keep the even split."""
+    from dcp_ext.planning.simulator import layer_prices
+
+    L = cm.model.num_layers
+    for lay in layouts:
+        if lay.pp == 1 or cm.quadratic(lay) or lay not in tables:
+            continue
+        split = (L // lay.pp,) * lay.pp if even else balanced_split(cm, lay, tables[lay], length_sample, layer_prices(cm))
+        cm.stage_splits[lay] = tuple(split)
