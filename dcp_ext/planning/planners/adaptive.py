@@ -41,7 +41,7 @@ from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
-from dcp_ext.planning.planners.candidates import Pool, build_pool, stderr_progress
+from dcp_ext.planning.planners.candidates import Pool, build_pool, reserve_layouts, stderr_progress, with_static_entry
 from dcp_ext.planning.planners.side_plan import enabled as side_plan_enabled, side_plan
 from dcp_ext.planning.planners.stage1 import assign_documents
 from dcp_ext.planning.batching import extreme_batches, sample_batches
@@ -182,19 +182,8 @@ class AdaptivePlanner(PlannerBase):
             raise PlanningError(f"the static layout tp={lay.tp} pp={lay.pp} cp={lay.cp} cannot hold even a short "
                                 f"sequence of {self.model.name} on {self.cluster.name}: raise "
                                 "--tensor-model-parallel-size / --pipeline-model-parallel-size")
-        entry = canonical({lay: world // lay.size})
-        self.static_entry = entry
-        p = self.pool
-        others = [c for c in p.layouts if c != entry]
-
-        def holds(c):
-            return any(self.tables[l].max_doc >= self.max_seq_len for l, _ in c if l in self.tables)
-
-        while len(others) + 1 > max(1, max_layouts):
-            drop = next((i for i in range(len(others) - 1, -1, -1)
-                         if not holds(others[i]) or holds(entry) or sum(holds(c) for c in others) > 1), None)
-            others.pop(len(others) - 1 if drop is None else drop)
-        self.pool = Pool([entry] + others, p.types, np.zeros((len(others) + 1, 0)), p.considered)
+        self.static_entry = canonical({lay: world // lay.size})
+        self.pool = with_static_entry(self.pool, self.static_entry, self.tables, self.max_seq_len, max_layouts)
 
     def _charge_pool_buffers(self, recompute: str) -> None:
         """A rank's stages share one buffer sized to the pool's largest stage: from now on
@@ -246,18 +235,8 @@ class AdaptivePlanner(PlannerBase):
         registered types."""
         if not self.rechoose_pool:
             return []
-        largest = max(self.model.local_stage_params(l.tp, l.pp) for l in used)
-        out = list(used)
-        for c in self.pool.considered:
-            for l, _ in c:
-                if len(out) >= max(self.max_layouts, len(used)):
-                    return out
-                if l in out or l not in self.tables or self.model.local_stage_params(l.tp, l.pp) > largest:
-                    continue
-                if l.pp > 1 and self.uneven_stages != "off" and l not in self.cm.stage_splits and not self.cm.quadratic(l):
-                    continue  # its split was not chosen with the pool's
-                out.append(l)
-        return out
+        return reserve_layouts(self.cm, self.pool.considered, used, self.tables, self.max_layouts,
+                               self.uneven_stages != "off")
 
     def _aligned(self, lay: Layout):
         """`lay` on every aligned block of ranks: world // size replicas of it, placed."""

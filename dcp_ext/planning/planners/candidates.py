@@ -366,3 +366,39 @@ def stderr_progress(desc: str, interval_s: float = 5.0) -> Callable[[int, int], 
         sys.stderr.flush()
 
     return cb
+
+
+def with_static_entry(pool: Pool, entry: LayoutMix, tables: dict, max_seq_len: int, max_layouts: int) -> Pool:
+    """`pool` with the static layout's `entry` first, displacing the last entry the search
+    chose when the pool is full, never the last one that holds a max-length sequence."""
+    others = [c for c in pool.layouts if c != entry]
+
+    def holds(c):
+        return any(tables[l].max_doc >= max_seq_len for l, _ in c if l in tables)
+
+    while len(others) + 1 > max(1, max_layouts):
+        drop = next((i for i in range(len(others) - 1, -1, -1)
+                     if not holds(others[i]) or holds(entry) or sum(holds(c) for c in others) > 1), None)
+        others.pop(len(others) - 1 if drop is None else drop)
+    return Pool([entry] + others, pool.types, np.zeros((len(others) + 1, 0)), pool.considered)
+
+
+def reserve_layouts(cm: CostModel, considered: Sequence[LayoutMix], used: list[Layout], tables: dict, max_layouts: int,
+                    uneven_stages: bool) -> list[Layout]:
+    """The layouts a re-chosen pool may use: the pool's (`used`), then those of the mixes the
+    search `considered` (each batch's best, the one-type holders), at most `max_layouts`,
+    none with a larger stage than the pool's (the shared buffers do not grow); with
+    `uneven_stages`, no pipelined layout whose split was not chosen with the pool's."""
+    model = cm.model
+    largest = max(model.local_stage_params(l.tp, l.pp) for l in used)
+    out = list(used)
+    for c in considered:
+        for l, _ in c:
+            if len(out) >= max(max_layouts, len(used)):
+                return out
+            if l in out or l not in tables or model.local_stage_params(l.tp, l.pp) > largest:
+                continue
+            if l.pp > 1 and uneven_stages and l not in cm.stage_splits and not cm.quadratic(l):
+                continue
+            out.append(l)
+    return out
