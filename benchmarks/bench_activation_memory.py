@@ -27,7 +27,7 @@ point's sizes (megatron-core's global memory buffer, RoPE's lru cache) are dropp
 before each point, so their allocation counts in it.
 
 Prediction: `CostModel.replica_peak_bytes(layout, [T], [rs], mb_lengths=[lengths]) -
-state_bytes(layout)`, with the ModelSpec built by `ModelSpec.from_megatron_args` from the
+state_bytes(layout)`, with the ModelSpec built by `run_config.model_spec_for` from the
 same Megatron args the model is built from, `ClusterSpec.cpu_gloo(2)` (the CPU backend:
 it selects the CPU core attention's and torch norms' terms), T the padded pack length,
 `lengths` its padded document lengths, rs = layers per stage for full recompute. For PP2
@@ -101,7 +101,7 @@ def megatron_args(world_size: int, groups: int = GROUPS, cpu_attention: str = "m
     args = parse_args(megatron_flags(groups) + ["--dcp-cpu-attention", cpu_attention], world_size=world_size)
     args.padded_vocab_size = VOCAB
     # sequence parallel whenever tp > 1, as the runtime runs it (the flag itself is refused
-    # at tp 1); ModelSpec.from_megatron_args reads it from here
+    # at tp 1); run_config.model_spec_for reads it from here
     args.sequence_parallel = True
     return args
 
@@ -361,9 +361,10 @@ def predict(rows: list[dict], groups: int = GROUPS, cpu_attention: str = "math")
     """One row per (layout, recompute, tokens): the replica's measured peak (the largest of
     its ranks') and the cost model's activation peak."""
     from dcp_ext.planning.cost_model import CostModel, Layout
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.adaptive.run_config import model_spec_for
 
-    cm = CostModel(ModelSpec.from_megatron_args(megatron_args(2, groups, cpu_attention)), ClusterSpec.cpu_gloo(2))
+    cm = CostModel(model_spec_for(megatron_args(2, groups, cpu_attention)), ClusterSpec.cpu_gloo(2))
     points = {}
     for r in rows:
         points.setdefault((r["layout"], r["recompute"], r["tokens"]), []).append(r)

@@ -101,9 +101,10 @@ def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: 
     with its reserve of layouts for re-choosing the pool (`--dcp-recalibration on`, the
     default); `layouts`: a fixed pool ("1xtp2cp1pp2+1xtp4cp1pp1") instead of the pool search."""
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.adaptive.run_config import model_spec_for
 
-    model = ModelSpec.from_megatron_args(args, name=args.model_name)
+    model = model_spec_for(args, name=args.model_name)
     cluster = ClusterSpec.from_preset(cluster_name)
     sample = [int(x) for x in (lengths if len(lengths) <= 200_000 else lengths[:200_000])]
     planner = make_planner(args.dcp_planner, model, cluster, max_seq_len=args.dcp_max_seq_len,
@@ -114,7 +115,7 @@ def build_planner(args, cluster_name: str, lengths, sample_count: int, layouts: 
 
 
 def spec_differences(spec, preset_name: str) -> dict:
-    """Fields where ModelSpec.from_megatron_args differs from the preset (name, seq_length aside)."""
+    """Fields where run_config.model_spec_for differs from the preset (name, seq_length aside)."""
     from dcp_ext.planning.specs import MODEL_PRESETS
 
     if preset_name not in MODEL_PRESETS:
@@ -278,7 +279,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     log(f"{name}: {planner.describe()} ({plan_build_s:.0f} s)")
     diffs = spec_differences(planner.model, name)
     if diffs:
-        log(f"{name}: ModelSpec.from_megatron_args differs from the preset: {diffs}")
+        log(f"{name}: run_config.model_spec_for differs from the preset: {diffs}")
     chosen = worst_rank(planner) if rank is None else rank
     if not 0 <= chosen < world:
         raise SystemExit(f"--rank {chosen}: the world has {world} ranks")
@@ -419,7 +420,7 @@ def format_details(r: dict, tolerance: float) -> str:
         f"{k} {r['engine_bytes'].get(k, 0) / GB:.3f} - {r['cost_model_bytes'].get(k, 0) / GB:.3f} = {d / GB:+.4f}"
         for k, d in r["kind_diff_bytes"].items()))
     if r["spec_vs_preset"]:
-        out.append(f"  ModelSpec.from_megatron_args vs preset (args, preset): {r['spec_vs_preset']}")
+        out.append(f"  run_config.model_spec_for vs preset (args, preset): {r['spec_vs_preset']}")
     out.append(f"  activations: peak {r['activation_bytes'] / GB:.2f} GB at iteration {r['activation_iteration']} "
                f"({r['activation_layout']}); per planned iteration: " + ", ".join(
                    f"{p['iteration']}:{p['layout']} {p['activation_bytes'] / GB:.2f} GB ({p['micro_batches']} mb, "

@@ -62,6 +62,7 @@ class TrainingSide:
     parse_args: Callable  # (argv, world_size) -> Megatron's args, unpadded_vocab_size set
     transformer_config: Callable  # (args, **overrides) -> TransformerConfig
     cluster_for: Callable  # (num_gpus, args) -> the ClusterSpec --dcp training would assume
+    model_spec: Callable  # (args, name) -> the ModelSpec --dcp training would plan with
     argument_errors: tuple = ()  # what parse_args raises for a bad flag: one line, exit 2
 
 
@@ -405,7 +406,7 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
     import torch
 
     from dcp_ext.planning.cost_model import CostModel, Layout
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
 
     ours, rest = build_parser().parse_known_args(argv)
     check_flags(ours)
@@ -418,7 +419,7 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
         cluster = side.cluster_for(nproc, args)
     else:
         cluster = ClusterSpec.cpu_gloo(nproc)
-    cm = CostModel(ModelSpec.from_megatron_args(args, name=model_name(rest)), cluster)
+    cm = CostModel(side.model_spec(args, model_name(rest)), cluster)
     if ours.layouts:
         layouts = parse_layouts(ours.layouts)
         for lay in layouts:
@@ -435,12 +436,12 @@ def setup(argv: Sequence[str] | None, side: TrainingSide) -> Setup:
                   f"--nproc {nproc}, and timing them would measure the cores' contention; the cost model prices "
                   "them by the timed layouts' ratios to its analytic prices", file=sys.stderr)
     pad_vocab(args, [lay[0] for lay in layouts])
-    spec = ModelSpec.from_megatron_args(args, name=model_name(rest))
+    spec = side.model_spec(args, model_name(rest))
     if ours.profile_layers:
         if any(ours.profile_layers % lay[2] for lay in layouts):
             raise SystemExit(f"--profile-layers {ours.profile_layers} is not divisible by every layout's pp")
         args.num_layers = ours.profile_layers
-    timed = CostModel(ModelSpec.from_megatron_args(args, name=spec.name), cluster)
+    timed = CostModel(side.model_spec(args, spec.name), cluster)
     return Setup(ours, side, args, spec, timed, cluster, layouts, cuda)
 
 

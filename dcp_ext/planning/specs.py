@@ -248,47 +248,6 @@ class ModelSpec:
             raise ValueError(f"model preset {name!r}: known {sorted(MODEL_PRESETS)}")
         return MODEL_PRESETS[key]
 
-    @classmethod
-    def from_megatron_args(cls, args: Any, name: str | None = None) -> "ModelSpec":
-        """From an argparse.Namespace with Megatron's argument names."""
-        g = lambda k, d=None: getattr(args, k, d)  # noqa: E731
-        heads = int(g("num_attention_heads"))
-        groups = g("num_query_groups")
-        if groups is None or not g("group_query_attention", True):
-            groups = heads
-        hidden = int(g("hidden_size"))
-        swiglu = bool(g("swiglu", False))
-        ffn = g("ffn_hidden_size")
-        if ffn is None:
-            ffn = 4 * hidden if not swiglu else int(4 * hidden * 2 / 3 / 64) * 64
-        vocab = g("padded_vocab_size") or g("vocab_size")
-        if vocab is None:
-            raise ValueError("Megatron args carry neither padded_vocab_size nor vocab_size")
-        half = bool(g("bf16", False) or g("fp16", False))
-        dropout = float(g("hidden_dropout", 0.0) or 0.0) > 0 or float(g("attention_dropout", 0.0) or 0.0) > 0
-        return cls(
-            name=name or g("model_name", None) or "megatron-args",
-            num_layers=int(g("num_layers")),
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_query_groups=int(groups),
-            ffn_hidden_size=int(ffn),
-            vocab_size=int(vocab),
-            seq_length=int(g("seq_length", 0) or g("max_position_embeddings", 0) or 0),
-            swiglu=swiglu,
-            untie_embeddings_and_output_weights=bool(g("untie_embeddings_and_output_weights", False)),
-            param_bytes=2 if half else 4,
-            grad_bytes=4,
-            optimizer_bytes_per_param=16,
-            activation_bytes=2 if half else 4,
-            grad_reduce_bytes=2 if (g("bf16", False) and g("grad_reduce_in_bf16", False)) else 4,
-            bucket_numel=int(g("ddp_bucket_size", 0) or 0),
-            exchange_slots=2 if (g("overlap_param_gather", False) or g("overlap_grad_reduce", False)) else 1,
-            sequence_parallel=bool(g("sequence_parallel", True)),
-            hidden_dropout=dropout,
-            cpu_attention=str(g("dcp_cpu_attention", "math") or "math"),
-        )
-
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("gated_linear_unit", None)

@@ -1,5 +1,4 @@
 """Specs: presets, Megatron arguments, JSON round trip (pure, fast)."""
-import argparse
 
 import pytest
 
@@ -40,22 +39,6 @@ def test_gpt_preset_and_demo():
     assert 1.2e9 < g.num_params < 1.45e9 and not g.swiglu
     d = ModelSpec.from_preset("demo")
     assert d.num_layers == 4 and d.num_attention_heads % d.num_query_groups == 0 and 256 <= d.vocab_size <= 512
-
-
-def test_from_megatron_args():
-    args = argparse.Namespace(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=None,
-                              group_query_attention=False, ffn_hidden_size=11008, padded_vocab_size=32000,
-                              seq_length=4096, swiglu=True, untie_embeddings_and_output_weights=True, bf16=True)
-    m = ModelSpec.from_megatron_args(args, name="llama2-7b")
-    ref = ModelSpec.from_preset("llama2-7b")
-    assert m.num_params == ref.num_params and m.num_query_groups == 32 and m.param_bytes == 2
-    gqa = argparse.Namespace(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
-                             group_query_attention=True, ffn_hidden_size=None, vocab_size=260, seq_length=2048,
-                             swiglu=False, bf16=False)
-    m2 = ModelSpec.from_megatron_args(gqa)
-    assert m2.num_query_groups == 4 and m2.ffn_hidden_size == 1024 and m2.param_bytes == 4
-    assert m2.cpu_attention == "math"  # the parser's default
-    assert ModelSpec.from_megatron_args(argparse.Namespace(**vars(gqa), dcp_cpu_attention="flash")).cpu_attention == "flash"
 
 
 def test_model_json_round_trip():

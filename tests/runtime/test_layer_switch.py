@@ -147,14 +147,15 @@ def _planned_worker(rank, world):
     """The adaptive planner's own v2 plans (tiny model priced as if on two H200s, tp2 pool:
     it moves layers of micro-batches to CP2), executed by the engine on gloo."""
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.adaptive.run_config import model_spec_for
     from tests.support.runtime_helpers import Reference, engine_step, make_engine, random_docs, tiny_args
     from tests.runtime.test_layout_equivalence import step_errors
 
     args = tiny_args(world)
     docs = random_docs(12, seed=3, lo=20, hi=250)
     lengths = [len(d) for d in docs]
-    planner = make_planner("adaptive", ModelSpec.from_megatron_args(args), ClusterSpec.from_preset("h200x2"),
+    planner = make_planner("adaptive", model_spec_for(args), ClusterSpec.from_preset("h200x2"),
                            max_seq_len=max(lengths), global_batch_tokens=sum(lengths), length_sample=lengths * 4,
                            layouts=["1xtp2cp1pp1"], layer_strategies=True)
     plan = planner.plan(0, list(range(len(docs))), lengths)

@@ -20,12 +20,13 @@ def _worker(rank, world, lengths):
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.plan import validate_iteration
     from dcp_ext.planning.planner import make_planner
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.adaptive.run_config import model_spec_for
     from tests.support.runtime_helpers import VOCAB, make_engine, tiny_args
 
     args = tiny_args(world)
     max_len, batch_tokens = 256, 1024
-    planner = make_planner("adaptive", ModelSpec.from_megatron_args(args), ClusterSpec.cpu_gloo(world),
+    planner = make_planner("adaptive", model_spec_for(args), ClusterSpec.cpu_gloo(world),
                            max_seq_len=max_len, global_batch_tokens=batch_tokens, length_sample=lengths, seed=0)
     engine = make_engine(args, planner.replica_types())
     rng = np.random.default_rng(0)

@@ -35,12 +35,13 @@ def _worker(rank, world, which):
 
 def _cost_model_bytes(pool):
     from dcp_ext.planning.cost_model import CostModel, Layout
-    from dcp_ext.planning.specs import ClusterSpec, ModelSpec
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training.adaptive.run_config import model_spec_for
     from tests.support.runtime_helpers import tiny_args
 
     args = tiny_args(4)
     args.overlap_param_gather = True
-    cm = CostModel(ModelSpec.from_megatron_args(args), ClusterSpec.cpu_gloo(4))
+    cm = CostModel(model_spec_for(args), ClusterSpec.cpu_gloo(4))
     layouts = {Layout(tp, cp, pp) for _, tp, cp, pp in pool}
     cm.charge_shared_buffers(layouts)
     return max(cm.state_bytes(lay) for lay in layouts)

@@ -54,8 +54,14 @@ def cluster_for(num_gpus: int, args):
 
 # Megatron's flag errors (ArgumentError) are bad arguments: one `error:` line and exit 2 at the
 # tool's boundary, like our own flags'.
+def model_spec(args, name: str):
+    from megatron.training.adaptive.run_config import model_spec_for
+
+    return model_spec_for(args, name=name)
+
+
 SIDE = profile.TrainingSide(parse_args=megatron_args, transformer_config=transformer_config, cluster_for=cluster_for,
-                            argument_errors=(ArgumentError,))
+                            model_spec=model_spec, argument_errors=(ArgumentError,))
 
 
 def setup(argv: Sequence[str] | None = None) -> profile.Setup:

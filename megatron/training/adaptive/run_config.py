@@ -24,11 +24,15 @@ OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are of
                       "communication worse here (benchmarks/bench_overlap.py); they take effect on GPUs")
 
 
+def overlap_asked(args) -> bool:
+    return bool(args.overlap_param_gather or args.overlap_grad_reduce)
+
+
 def overlap_for(args, on_cpu: bool) -> tuple[bool, str | None]:
     """Whether the adaptive runtime overlaps its pull/push with compute, and the note to say:
     as the overlap flags ask, except on CPU ranks, where it costs more than it hides.
     DCP_OVERLAP_ON_CPU=1 keeps it on there (benchmarks/bench_overlap.py measures both)."""
-    asked = bool(args.overlap_param_gather or args.overlap_grad_reduce)
+    asked = overlap_asked(args)
     if asked and on_cpu and os.environ.get("DCP_OVERLAP_ON_CPU") != "1":
         return False, OVERLAP_OFF_ON_CPU
     return asked, None
@@ -53,6 +57,48 @@ def kernels_for(args, machine: Machine | None = None) -> dict:
                 fused_rope=bool(fields["apply_rope_fusion"]))
 
 
+def model_spec_for(args, name: str | None = None, overlap: bool | None = None) -> ModelSpec:
+    """The planner's and the cost model's view of the model the flags describe (the only
+    place flags become a ModelSpec). `overlap`: whether the runtime overlaps its exchange
+    (two exchange slots), None: as the flags ask (`AdaptiveRunConfig` passes what it decided).
+    The vocabulary is the padded one once `padded_vocab_size` is set, else the flag's."""
+    heads = int(args.num_attention_heads)
+    groups = args.num_query_groups if args.num_query_groups is not None and args.group_query_attention else heads
+    hidden = int(args.hidden_size)
+    ffn = args.ffn_hidden_size
+    if ffn is None:
+        ffn = 4 * hidden if not args.swiglu else int(4 * hidden * 2 / 3 / 64) * 64
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    if vocab is None:
+        raise ValueError("the flags carry neither a padded vocabulary nor --vocab-size")
+    half = bool(args.bf16 or args.fp16)
+    dropout = float(args.hidden_dropout or 0.0) > 0 or float(args.attention_dropout or 0.0) > 0
+    if overlap is None:
+        overlap = overlap_asked(args)
+    return ModelSpec(
+        name=name or "megatron-args",
+        num_layers=int(args.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(groups),
+        ffn_hidden_size=int(ffn),
+        vocab_size=int(vocab),
+        seq_length=int(args.seq_length or args.max_position_embeddings or 0),
+        swiglu=bool(args.swiglu),
+        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+        param_bytes=2 if half else 4,
+        grad_bytes=4,
+        optimizer_bytes_per_param=16,
+        activation_bytes=2 if half else 4,
+        grad_reduce_bytes=2 if (args.bf16 and args.grad_reduce_in_bf16) else 4,
+        bucket_numel=int(args.ddp_bucket_size or 0),
+        exchange_slots=2 if overlap else 1,
+        sequence_parallel=bool(args.sequence_parallel),
+        hidden_dropout=dropout,
+        cpu_attention=str(getattr(args, "dcp_cpu_attention", None) or "math"),
+    )
+
+
 @dataclass(frozen=True)
 class AdaptiveRunConfig:
     engine: EngineOptions
@@ -64,10 +110,10 @@ class AdaptiveRunConfig:
         """device: the engine's (None: this process's CUDA device, else the CPU; 'meta').
         machine: what the kernels can use (None: this one, `Machine.here()`)."""
         overlap, note = overlap_for(args, on_cpu)
-        spec = ModelSpec.from_megatron_args(args)
+        spec = model_spec_for(args, overlap=overlap)
         # one bucket size for both: the flag's, else the sharding's rule on the model's size
         bucket = bucket_numel_for(spec.num_params, args.ddp_bucket_size or 0)
-        spec = spec.with_(bucket_numel=bucket, exchange_slots=2 if overlap else 1, **kernels_for(args, machine))
+        spec = spec.with_(bucket_numel=bucket, **kernels_for(args, machine))
         engine = EngineOptions(
             optimizer=optimizer_options_for(args), sequence_parallel=args.sequence_parallel,
             exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,

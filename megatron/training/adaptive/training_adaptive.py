@@ -92,9 +92,9 @@ def vocab_padding_for(args, vocab_size: int, cluster) -> int:
     planning, so the planner's cost model and the runtime see the same model."""
     from dcp_ext.planning.cost_model import CostModel
     from dcp_ext.data.tokenizers import padded_vocab_size
-    from dcp_ext.planning.specs import ModelSpec
+    from megatron.training.adaptive.run_config import model_spec_for
 
-    spec = ModelSpec.from_megatron_args(args).with_(vocab_size=vocab_size)
+    spec = model_spec_for(args).with_(vocab_size=vocab_size)
     lcm_tp = 1
     tp = 1
     while tp <= TP_CEILING:
@@ -160,14 +160,14 @@ def build_planner(args, train_ds, cluster=None, model=None):
     """model: the run configuration's ModelSpec (from the flags when None)."""
     from dcp_ext.planning.planner import make_planner
     from dcp_ext.planning.planners.errors import PlanningError
-    from dcp_ext.planning.specs import ModelSpec
+    from megatron.training.adaptive.run_config import model_spec_for
 
     sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
     started = time.perf_counter()
     try:
         planner = make_planner(
             args.dcp_planner,
-            model if model is not None else ModelSpec.from_megatron_args(args),
+            model if model is not None else model_spec_for(args),
             cluster if cluster is not None else cluster_for(args.world_size, args),
             max_seq_len=args.dcp_max_seq_len,
             global_batch_tokens=args.dcp_global_batch_tokens,
