@@ -76,6 +76,7 @@ def test_batch_tokens_default_to_global_batch_times_seq_length():
 
 def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
     from megatron.training.adaptive import training_adaptive
+    from megatron.training.adaptive.run_config import AdaptiveRunConfig
     from dcp_ext.data.mock_documents import MockDocumentDataset
 
     def planner(extra, world=8):
@@ -83,21 +84,22 @@ def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
         args.padded_vocab_size = 256
         cluster = training_adaptive.cluster_for(world, args)
         ds = MockDocumentDataset(128, 256, 255, args.seed, num_documents=4000)
-        return args, training_adaptive.build_planner(args, ds, cluster)
+        config = AdaptiveRunConfig.from_args(args, on_cpu=True, device="meta")
+        return config.planner, training_adaptive.build_planner(config.planner, ds.lengths, cluster, config.model)
 
     sizes = {}
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
-        args, p = planner(["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)])
+        config, p = planner(["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)])
         assert p.static_entry in p.pool.layouts, (tp, pp, p.describe())
         (lay, count), = p.static_entry
         assert (lay.tp, lay.cp, lay.pp, count) == (tp, 1, pp, 8 // (tp * pp))
-        line = training_adaptive.static_layout_line(args, p)
+        line = training_adaptive.static_layout_line(config, p)
         assert line.startswith(f"dcp: static layout tp={tp} pp={pp} cp=1 is in the candidate pool ("), line
         sizes[tp, pp] = len(p.pool.layouts)
     _, small = planner(["--tensor-model-parallel-size", "2", "--dcp-candidates", "1"])
     assert [small.static_entry] == small.pool.layouts  # a pool of one: the static layout itself
     assert sizes[2, 1] > 1  # the default pool is larger: the flag changed it
-    args, static = planner(["--tensor-model-parallel-size", "2", "--dcp-planner", "static"])
+    _, static = planner(["--tensor-model-parallel-size", "2", "--dcp-planner", "static"])
     assert {(lay.tp, lay.cp, lay.pp) for lay, _ in static.replicas} == {(2, 1, 1)} and len(static.replicas) == 4
 
 

@@ -100,9 +100,51 @@ def model_spec_for(args, name: str | None = None, overlap: bool | None = None) -
 
 
 @dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner is built from, read from the flags once."""
+
+    name: str  # --dcp-planner
+    max_seq_len: int  # --dcp-max-seq-len
+    global_batch_tokens: int  # --dcp-global-batch-tokens
+    static_layout: tuple[int, int, int]  # (tp, cp, pp) of the launch line: the static baseline's layout
+    candidates: int  # --dcp-candidates: the pool's size
+    rechoose_pool: bool  # --dcp-recalibration on
+    layer_strategies: bool  # --dcp-layer-strategies on
+    uneven_stages: bool  # --dcp-uneven-stages on
+    cost_profile: str | None  # --dcp-cost-profile
+    memory_margin: float  # --dcp-memory-margin
+    seed: int
+
+    @classmethod
+    def from_args(cls, args) -> "PlannerConfig":
+        return cls(name=args.dcp_planner, max_seq_len=args.dcp_max_seq_len,
+                   global_batch_tokens=args.dcp_global_batch_tokens,
+                   static_layout=(args.tensor_model_parallel_size, args.context_parallel_size,
+                                  args.pipeline_model_parallel_size),
+                   candidates=args.dcp_candidates, rechoose_pool=args.dcp_recalibration == "on",
+                   layer_strategies=args.dcp_layer_strategies == "on", uneven_stages=args.dcp_uneven_stages == "on",
+                   cost_profile=args.dcp_cost_profile, memory_margin=args.dcp_memory_margin, seed=args.seed)
+
+    def options(self) -> dict:
+        """What each planner takes from the line: the adaptive ones (adaptive, hydraulis) keep
+        the static layout in a pool of at most --dcp-candidates; `static` runs the static layout
+        itself; dynamic-cp and cp-buckets search their own (tp, pp) and size CP per sequence."""
+        if self.name == "adaptive":
+            return {"static_layout": self.static_layout, "max_layouts": self.candidates,
+                    "rechoose_pool": self.rechoose_pool,
+                    **{k: "on" for k in ("layer_strategies", "uneven_stages") if getattr(self, k)}}
+        if self.name == "hydraulis":
+            return {"static_layout": self.static_layout, "max_layouts": self.candidates}
+        if self.name == "static":
+            return {"layout": self.static_layout, "balance": True}
+        return {}
+
+
+@dataclass(frozen=True)
 class AdaptiveRunConfig:
     engine: EngineOptions
     model: ModelSpec  # the planner's and the cost model's view of the model the engine builds
+    planner: PlannerConfig
     overlap_note: str | None = None  # said once at start when the overlap flags are set aside
 
     @classmethod
@@ -119,4 +161,4 @@ class AdaptiveRunConfig:
             exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,
             grad_reduce_in_bf16=bool(args.grad_reduce_in_bf16 and args.bf16), init_seed=args.seed,
             init_std=args.init_method_std, layer_strategies=args.dcp_layer_strategies == "on", device=device)
-        return cls(engine, spec, note)
+        return cls(engine, spec, PlannerConfig.from_args(args), note)

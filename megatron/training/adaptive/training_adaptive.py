@@ -119,74 +119,47 @@ def grad_scaler_for(args):
                              hysteresis=args.hysteresis)
 
 
-def static_layout_of(args) -> tuple[int, int, int]:
-    """(tp, cp, pp) of the launch line: the static baseline's layout."""
-    return (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size)
-
-
-def planner_options(args) -> dict:
-    """What each planner takes from the line: the adaptive ones (adaptive, hydraulis) keep the
-    static layout in a pool of at most --dcp-candidates; `static` runs the static layout
-    itself; dynamic-cp and dcp search their own (tp, pp) and size CP per sequence."""
-    if args.dcp_planner == "adaptive":
-        return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates,
-                "rechoose_pool": args.dcp_recalibration == "on",
-                **{k: "on" for k in ("layer_strategies", "uneven_stages") if getattr(args, f"dcp_{k}") == "on"}}
-    if args.dcp_planner == "hydraulis":
-        return {"static_layout": static_layout_of(args), "max_layouts": args.dcp_candidates}
-    if args.dcp_planner == "static":
-        return {"layout": static_layout_of(args), "balance": True}
-    return {}
-
-
-def static_layout_line(args, planner) -> str:
-    """The one line said at start: where the line's static layout is in the planner."""
-    tp, cp, pp = static_layout_of(args)
+def static_layout_line(config, planner) -> str:
+    """The one line said at start: where the line's static layout is in the planner
+    (`config`: the run's PlannerConfig)."""
+    tp, cp, pp = config.static_layout
     what = f"static layout tp={tp} pp={pp} cp={cp}"
     in_pool = planner.static_entry_in_pool()
     if in_pool is not None:
         held, n = in_pool
         where = "is in" if held else "is not in"
         why = "" if where == "is in" else (" (hydraulis has no context parallelism)" if cp > 1 and
-                                           args.dcp_planner == "hydraulis" else " (it does not fit beside the pool)")
-        return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{'s' if n != 1 else ''}, --dcp-candidates {args.dcp_candidates})"
-    if args.dcp_planner == "static":
+                                           config.name == "hydraulis" else " (it does not fit beside the pool)")
+        return f"dcp: {what} {where} the candidate pool{why} ({n} candidate{'s' if n != 1 else ''}, --dcp-candidates {config.candidates})"
+    if config.name == "static":
         return f"dcp: {what} is the static planner's layout ({planner.describe()})"
-    return (f"dcp: {what} is not used by planner {args.dcp_planner}, which picks its own tp/pp and sizes CP per "
+    return (f"dcp: {what} is not used by planner {config.name}, which picks its own tp/pp and sizes CP per "
             f"sequence ({planner.describe()})")
 
 
-def build_planner(args, train_ds, cluster=None, model=None):
-    """model: the run configuration's ModelSpec (from the flags when None)."""
+def build_planner(config, lengths, cluster, model):
+    """The planner of `config` (the run's PlannerConfig) for `model` on `cluster`, its pool
+    chosen for documents like `lengths` (the training split's, the first 200,000)."""
     from dcp_ext.planning.planner import make_planner
     from dcp_ext.planning.planners.errors import PlanningError
-    from megatron.training.adaptive.run_config import model_spec_for
 
-    sample = train_ds.lengths if len(train_ds.lengths) <= 200_000 else train_ds.lengths[:200_000]
+    sample = lengths if len(lengths) <= 200_000 else lengths[:200_000]
     started = time.perf_counter()
     try:
-        planner = make_planner(
-            args.dcp_planner,
-            model if model is not None else model_spec_for(args),
-            cluster if cluster is not None else cluster_for(args.world_size, args),
-            max_seq_len=args.dcp_max_seq_len,
-            global_batch_tokens=args.dcp_global_batch_tokens,
-            length_sample=[int(x) for x in sample],
-            profile=args.dcp_cost_profile,
-            memory_margin=args.dcp_memory_margin,
-            seed=args.seed,
-            **planner_options(args),
-        )
+        planner = make_planner(config.name, model, cluster, max_seq_len=config.max_seq_len,
+                               global_batch_tokens=config.global_batch_tokens, length_sample=[int(x) for x in sample],
+                               profile=config.cost_profile, memory_margin=config.memory_margin, seed=config.seed,
+                               **config.options())
     except PlanningError as e:
-        if args.dcp_planner != "static" or "cannot hold" not in str(e):
+        if config.name != "static" or "cannot hold" not in str(e):
             raise
-        tp, cp, pp = static_layout_of(args)
+        tp, cp, pp = config.static_layout
         raise PlanningError(f"--dcp-planner static runs the line's layout tp={tp} pp={pp} cp={cp}, which cannot hold "
-                            f"a pack of --dcp-max-seq-len {args.dcp_max_seq_len} tokens on {cluster_for(args.world_size, args).name}: "
+                            f"a pack of --dcp-max-seq-len {config.max_seq_len} tokens on {cluster.name}: "
                             "raise --tensor-model-parallel-size / --pipeline-model-parallel-size / "
                             "--context-parallel-size or lower --dcp-max-seq-len") from None
-    print_rank_0(f"> dcp: {args.dcp_planner} planner built in {time.perf_counter() - started:.1f} s")
-    print_rank_0(static_layout_line(args, planner))
+    print_rank_0(f"> dcp: {config.name} planner built in {time.perf_counter() - started:.1f} s")
+    print_rank_0(static_layout_line(config, planner))
     return planner
 
 
@@ -276,7 +249,7 @@ class AdaptiveRun:
         self.config = AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
         if self.config.overlap_note:
             print_rank_0(self.config.overlap_note)
-        self.planner = build_planner(args, self.train_ds, self.cluster, self.config.model)
+        self.planner = build_planner(self.config.planner, self.train_ds.lengths, self.cluster, self.config.model)
 
     def build(self, peak_memory):
         from dcp_ext.runtime.engine import AdaptiveEngine
