@@ -34,4 +34,4 @@ bench: install
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf build *.egg-info dcp_ext/assign/*.so dcp_ext/data/*.so
+	rm -rf build *.egg-info dcp_ext/kernels/*.so dcp_ext/data/*.so

@@ -19,7 +19,7 @@ cpp_sources = sorted(glob.glob("csrc/*.cpp"))
 if Pybind11Extension is not None and cpp_sources:
     ext_modules.append(
         Pybind11Extension(
-            "dcp_ext.assign._kernels",
+            "dcp_ext.kernels._kernels",
             cpp_sources,
             cxx_std=17,
             # no FMA contraction: the C++ kernels must equal the Python reference bit for bit

@@ -144,8 +144,8 @@ for m in ('transformer_engine', 'flash_attn', 'apex'):
         d[m] = 'missing'
 for m in ('numpy', 'yaml', 'psutil', 'filelock', 'pybind11'):
     d[m] = getattr(__import__(m), '__version__', 'importable')
-from dcp_ext.assign import backend
-d['planner_kernels_cpp'] = backend.cpp_available()
+from dcp_ext import kernels
+d['planner_kernels_cpp'] = kernels.built()
 print('ENV', json.dumps(d))
 """
 

@@ -1,7 +1,7 @@
 """dcp_ext.assign: sequence-to-replica assignment (stage 1) and micro-batch packing (stage 2).
 
 The planner calls these every iteration, so the kernels are C++ (csrc/, built into
-dcp_ext.assign._kernels); a pure-Python reference returns the very same results and is used,
+dcp_ext.kernels._kernels); a pure-Python reference returns the very same results and is used,
 with one warning, where the extension is not built (DCP_ASSIGN_IMPL=python forces it).
 
     balance(lengths, replicas)       -> BalanceResult   stage 1 (estimate: model.estimate)

@@ -1,6 +1,6 @@
 """Which implementation runs the kernels: the C++ extension, else the Python reference.
 
-`dcp_ext.assign._kernels` (built from csrc/ by setup.py) is used when importable; otherwise
+`dcp_ext.kernels._kernels` (built from csrc/ by setup.py) is used when importable; otherwise
 the pure-Python reference, with ONE warning. DCP_ASSIGN_IMPL=python forces the reference
 (DCP_ASSIGN_IMPL=cpp demands the extension). Both expose the same five kernel functions
 with the same arguments, so callers can also pick one per call (`impl="python"`).
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import warnings
+
+from dcp_ext.kernels import compiled as _CPP  # the one extension, loaded once (dcp_ext.kernels)
 
 from . import ref_balance, ref_baselines, ref_pack, ref_plan
 
@@ -39,15 +41,6 @@ class PythonBackend:
         return ref_baselines.run(name, list(map(int, lengths)), params, seed)
 
 
-def _load_cpp():
-    try:
-        from dcp_ext.assign import _kernels  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _kernels
-
-
-_CPP = _load_cpp()
 _PY = PythonBackend()
 _warned = False
 
@@ -59,7 +52,7 @@ def default_backend():
         return _PY
     if want == "cpp":
         if _CPP is None:
-            raise ImportError("DCP_ASSIGN_IMPL=cpp but the extension dcp_ext.assign._kernels is not built "
+            raise ImportError("DCP_ASSIGN_IMPL=cpp but the extension dcp_ext.kernels._kernels is not built "
                               "(run: python setup.py build_ext --inplace)")
         return _CPP
     if want not in ("", "auto"):
@@ -68,7 +61,7 @@ def default_backend():
         return _CPP
     if not _warned:
         _warned = True
-        warnings.warn("dcp_ext.assign._kernels is not built: dcp_ext.assign uses the pure-Python reference "
+        warnings.warn("dcp_ext.kernels._kernels is not built: dcp_ext.assign uses the pure-Python reference "
                       "(slow). Build it with: python setup.py build_ext --inplace", RuntimeWarning, stacklevel=3)
     return _PY
 
@@ -81,19 +74,10 @@ def get(impl: str | None):
         return _PY
     if impl == "cpp":
         if _CPP is None:
-            raise ImportError("the C++ extension dcp_ext.assign._kernels is not built")
+            raise ImportError("the C++ extension dcp_ext.kernels._kernels is not built")
         return _CPP
     raise ValueError(f"impl must be 'cpp', 'python' or None, got {impl!r}")
 
 
 def cpp_available() -> bool:
     return _CPP is not None
-
-
-def kernel(name: str):
-    """One function of the C++ extension by name (the planner's and the bound's kernels,
-    csrc/planner.cpp and csrc/bound.cpp), or None where it is not built or
-    DCP_ASSIGN_IMPL=python asks for the Python references."""
-    if _CPP is None or os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
-        return None
-    return getattr(_CPP, name, None)

@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dcp_ext.assign.backend import kernel
+from dcp_ext.kernels import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout
 

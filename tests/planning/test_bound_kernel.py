@@ -10,7 +10,7 @@ import pytest
 
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
-from dcp_ext.assign.backend import kernel
+from dcp_ext.kernels import kernel
 from dcp_ext.planning.bound import BoundTables, _blank_tables, _layout_constants, bound_tables, lower_bound
 from dcp_ext.planning.bound_v2 import RelaxedPrices, lower_bound_v2
 from dcp_ext.planning.cost_model import CostModel, Layout

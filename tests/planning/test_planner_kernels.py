@@ -8,7 +8,7 @@ import pytest
 from dcp_ext.data.lengths import read_lengths
 from dcp_ext.planning.batching import global_batches
 from dcp_ext.planning.planner import make_planner
-from dcp_ext.assign.backend import kernel
+from dcp_ext.kernels import kernel
 from dcp_ext.planning.planners import stage1 as stage1_module
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
 from dcp_ext.planning.specs import ClusterSpec, ModelSpec

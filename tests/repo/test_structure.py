@@ -167,8 +167,9 @@ def private_names_defined(path: str) -> set[str]:
 def private_reaches(path: str, ours: dict[str, set[str]]) -> list[str]:
     """Where a module takes a private name another of our modules defines (and it does not):
     `from mod import _x` or `obj._x` on anything but self, cls or super(). A package may
-    import its own private submodule (a compiled extension: `from dcp_ext.assign import _kernels`)."""
+    import its own private submodule (a compiled extension: `from dcp_ext.kernels import _kernels`)."""
     me = module_name(path)
+    package = me if os.path.basename(path) == "__init__.py" else me.rpartition(".")[0]
     mine = ours.get(me, set())
     elsewhere = set().union(*(names for name, names in ours.items() if name != me)) - mine
     with open(path) as f:
@@ -178,7 +179,7 @@ def private_reaches(path: str, ours: dict[str, set[str]]) -> list[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
                 private = a.name.startswith("_") and not a.name.startswith("__")
-                own_package = is_module(f"{node.module}.{a.name}") and me.rpartition(".")[0] == node.module
+                own_package = is_module(f"{node.module}.{a.name}") and package == node.module
                 if private and not own_package and (node.module in ours or is_module(f"{node.module}.{a.name}")):
                     bad.append(f"{me}:{node.lineno} imports {node.module}.{a.name}")
         elif isinstance(node, ast.Attribute) and node.attr in elsewhere:

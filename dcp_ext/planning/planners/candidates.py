@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dcp_ext.assign.backend import kernel
+from dcp_ext.kernels import kernel
 from dcp_ext.planning.cost_model import CostModel
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.planners.batch_prep import BatchPrep, TypeOnBatch, screen, type_order

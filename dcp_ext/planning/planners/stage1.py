@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from dcp_ext.assign.backend import kernel
+from dcp_ext.kernels import kernel
 from dcp_ext.planning.layout import Layout, LayoutMix, describe
 from dcp_ext.planning.planners.batch_prep import BatchPrep
 from dcp_ext.planning.planners.errors import PlanningError

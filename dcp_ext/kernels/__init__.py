@@ -1,0 +1,31 @@
+"""The planner's C++ kernels, and the one place that loads them.
+
+Why it exists: the adaptive planner's stage 1 and stage 2, the candidate pool's dynamic
+program and the lower bound's search run every iteration, so they are C++ (csrc/planner.cpp,
+csrc/bound.cpp, pybind11, built by setup.py as `dcp_ext.kernels._kernels`), each bit for bit
+its Python reference. `kernel(name)` hands a caller the compiled function, or None where the
+extension is not built or DCP_ASSIGN_IMPL=python asks for the references; the caller then runs
+its reference. The same extension carries dcp_ext.assign's alternative stage 1 + 2
+(csrc/assign_*.cpp), which dcp_ext.assign.backend reaches through `compiled`.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    from dcp_ext.kernels import _kernels as compiled  # type: ignore[attr-defined]
+except ImportError:  # not built: every caller runs its Python reference
+    compiled = None
+
+
+def built() -> bool:
+    """Whether the C++ extension is importable."""
+    return compiled is not None
+
+
+def kernel(name: str):
+    """One function of the C++ extension by name, or None where it is not built or
+    DCP_ASSIGN_IMPL=python asks for the Python references."""
+    if compiled is None or os.environ.get("DCP_ASSIGN_IMPL", "").strip().lower() == "python":
+        return None
+    return getattr(compiled, name, None)
