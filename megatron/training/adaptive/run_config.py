@@ -57,18 +57,19 @@ def kernels_for(args, machine: Machine | None = None) -> dict:
                 fused_rope=bool(fields["apply_rope_fusion"]))
 
 
-def model_spec_for(args, name: str | None = None, overlap: bool | None = None) -> ModelSpec:
+def model_spec_for(args, name: str | None = None, overlap: bool | None = None, vocab_size: int | None = None) -> ModelSpec:
     """The planner's and the cost model's view of the model the flags describe (the only
     place flags become a ModelSpec). `overlap`: whether the runtime overlaps its exchange
     (two exchange slots), None: as the flags ask (`AdaptiveRunConfig` passes what it decided).
-    The vocabulary is the padded one once `padded_vocab_size` is set, else the flag's."""
+    The vocabulary: `vocab_size` when given, else the padded one once `padded_vocab_size` is
+    set, else the flag's."""
     heads = int(args.num_attention_heads)
     groups = args.num_query_groups if args.num_query_groups is not None and args.group_query_attention else heads
     hidden = int(args.hidden_size)
     ffn = args.ffn_hidden_size
     if ffn is None:
         ffn = 4 * hidden if not args.swiglu else int(4 * hidden * 2 / 3 / 64) * 64
-    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    vocab = vocab_size or getattr(args, "padded_vocab_size", None) or args.vocab_size
     if vocab is None:
         raise ValueError("the flags carry neither a padded vocabulary nor --vocab-size")
     half = bool(args.bf16 or args.fp16)

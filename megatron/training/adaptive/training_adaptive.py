@@ -94,7 +94,7 @@ def vocab_padding_for(args, vocab_size: int, cluster) -> int:
     from dcp_ext.data.tokenizers import padded_vocab_size
     from megatron.training.adaptive.run_config import model_spec_for
 
-    spec = model_spec_for(args).with_(vocab_size=vocab_size)
+    spec = model_spec_for(args, vocab_size=vocab_size)
     lcm_tp = 1
     tp = 1
     while tp <= TP_CEILING:
