@@ -14,6 +14,8 @@ it on a fake exchange.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterator, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,22 @@ from dcp_ext.runtime.params.param_map import CanonicalSpace
 from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions, ShardedOptimizer
 from dcp_ext.runtime.params.sharding import FixedSharding
 from dcp_ext.runtime.params.streams import PullStream, PushStream
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what a checkpoint holds per canonical tensor
+
+
+def _groups(tensors, limit: int):
+    """Consecutive tensors in groups of at most `limit` elements (a larger tensor alone)."""
+    group, size = [], 0
+    for t in tensors:
+        if group and size + t.numel > limit:
+            yield group
+            group, size = [], 0
+        group.append(t)
+        size += t.numel
+    if group:
+        yield group
+
 
 # Canonical tensors megatron-core's LanguageModule marks `is_embedding_or_output_parameter`
 # (a tied output layer is the word embedding itself).
@@ -117,6 +135,43 @@ class ParameterServer:
     def gather_canonical(self) -> torch.Tensor:
         """The whole master vector on every rank (collective; checkpoints export, tests)."""
         return self.exchange.allgather(self.optimizer.master())
+
+    # ------------------------------------------------------------ the state in canonical tensors
+    def canonical_state(self, kinds: Sequence[str] = STATE_KINDS) -> Iterator[tuple[str, str, torch.Tensor | None]]:
+        """(tensor name, kind, values) for every canonical tensor and each of `kinds` (the
+        fp32 master weights "param", Adam's "exp_avg" and "exp_avg_sq"): the values whole on
+        the rank that owns the tensor's first element, None on the others. Tensor by tensor
+        (collective: every rank walks it to the end), so no rank ever holds the whole model
+        (a 7B model's master and moments are 84 GB)."""
+        avg, avg_sq, _ = self.optimizer.moments()
+        shards = {"param": self.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
+        for t in self.space.tensors.values():
+            writer = self.sharding.owner_of(t.offset)
+            for kind in kinds:
+                yield t.name, kind, self.gather_tensor(shards[kind], t, writer)
+
+    def load_canonical_state(self, read: Callable[[list], dict], kinds: Sequence[str] = STATE_KINDS,
+                             adam_step: int | None = None, group_numel: int = 1 << 26) -> None:
+        """This rank's shard of every kind in `kinds` from canonical tensors: `read(tensors)`
+        returns {(name, kind): whole values} for a group of canonical tensors of at most
+        `group_numel` elements (a larger tensor alone); the groups are the same on every rank,
+        so `read` may be collective. Without the moments in `kinds` the optimizer keeps its own
+        (weights only); with them, `adam_step` is the step they were saved at."""
+        shard = {kind: torch.zeros(self.sharding.shard_numel(self.rank)) for kind in kinds}
+        for group in _groups(list(self.space.tensors.values()), group_numel):
+            values = read(group)
+            for t in group:
+                for piece, lo, hi in self.sharding.overlaps(self.rank, t.offset, t.offset + t.numel):
+                    for kind in kinds:
+                        shard[kind][piece.local(lo, hi)] = values[t.name, kind].flatten()[lo - t.offset : hi - t.offset]
+            del values
+        self.optimizer.set_master(shard["param"])
+        if "exp_avg" in shard:
+            self.optimizer.set_moments(shard["exp_avg"], shard["exp_avg_sq"], int(adam_step))
+
+    def canonical_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every canonical tensor's name and shape, in the canonical order."""
+        return [(t.name, tuple(t.shape)) for t in self.space.tensors.values()]
 
     # ------------------------------------------------------------ one step's traffic
     def layout_plan(self, key, layout):

@@ -173,6 +173,17 @@ class ShardedOptimizer:
                 step = int(state["step"])
         return avg, avg_sq, (self._sgd_steps if sgd else step)
 
+    def step_count(self) -> int:
+        """The step count `moments` returns, without gathering the moments."""
+        if self.options.optimizer == "sgd":
+            return self._sgd_steps
+        step = 0
+        for p in self.pieces:
+            state = self.inner.state.get(p)
+            if state:
+                step = int(state["step"])
+        return step
+
     def set_moments(self, avg: torch.Tensor, avg_sq: torch.Tensor, step: int) -> None:
         sgd = self.options.optimizer == "sgd"
         if sgd:

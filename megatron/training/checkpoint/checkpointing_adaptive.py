@@ -21,6 +21,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from dcp_ext.runtime.params.server import STATE_KINDS
 from megatron.training.checkpoint import protocol as ckpt
 from megatron.training.checkpoint.inspector import check_saved_parts, load_or_explain, open_checkpoint
 from megatron.training.initialize import print_rank_0
@@ -31,7 +32,7 @@ from megatron.training.checkpoint.resume_checks import check_model_args, reconci
 # (torch.distributed.checkpoint); they still load: each format names its keys' prefix.
 FORMAT = "adaptive-canonical/v1"
 KEY_PREFIX = {FORMAT: "adaptive", "dcp-fixed-sharding/v1": "dcp"}
-KINDS = ("param", "exp_avg", "exp_avg_sq")
+KINDS = STATE_KINDS  # what a checkpoint holds per canonical tensor: weights, Adam's moments
 
 
 def is_adaptive(common) -> bool:
@@ -48,20 +49,6 @@ def tensor_key(common: dict | None, kind: str, name: str) -> str:
 LOAD_GROUP = 1 << 26  # elements of canonical tensors read per dist_checkpointing.load call
 
 
-def _groups(tensors, limit: int):
-    """Consecutive tensors in groups of at most `limit` elements (a larger tensor alone).
-    Every rank walks the same canonical order, so the groups' loads line up."""
-    group, size = [], 0
-    for t in tensors:
-        if group and size + t.numel > limit:
-            yield group
-            group, size = [], 0
-        group.append(t)
-        size += t.numel
-    if group:
-        yield group
-
-
 def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -72,29 +59,21 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
     from megatron.training.checkpoint.finite_weights import refuse_nonfinite
 
     refuse_nonfinite([engine.optimizer.master()], iteration, args.save)
-    avg, avg_sq, step = engine.optimizer.moments()
-    shards = {"param": engine.optimizer.master(), "exp_avg": avg, "exp_avg_sq": avg_sq}
     kinds = ("param",) if args.no_save_optim else KINDS  # weights only
     state = {}
-    # tensor by tensor onto the rank that owns its first element: no rank ever holds the
-    # whole model (a 7B model's master and moments are 84 GB)
-    for t in engine.space.tensors.values():
-        writer = engine.sharding.owner_of(t.offset)
-        for kind in kinds:
-            value = engine.gather_tensor(shards[kind], t, writer)
-            if value is not None:
-                key = tensor_key(None, kind, t.name)
-                state[key] = _sharded(key, value.cpu(), replica_id=0)
-    del avg, avg_sq, shards
+    for name, kind, value in engine.server.canonical_state(kinds):  # each whole on one rank
+        if value is not None:
+            key = tensor_key(None, kind, name)
+            state[key] = _sharded(key, value.cpu(), replica_id=0)
     state.update({
         "args": ckpt.common_args(args),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "format": FORMAT,
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
-        "adam_step": step,
+        "adam_step": engine.optimizer.step_count(),
         "planner_state": planner_state,
-        "canonical": [(t.name, list(t.shape)) for t in engine.space.tensors.values()],
+        "canonical": [(name, list(shape)) for name, shape in engine.server.canonical_shapes()],
     })
     if kinds == KINDS:
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -121,7 +100,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
             f"(--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}, vocabulary "
             f"{args.vocab_size or '?'}): resume with the flags it was trained with")
     saved = {name: tuple(shape) for name, shape in common["canonical"]}
-    ours = {t.name: t.shape for t in engine.space.tensors.values()}
+    ours = dict(engine.server.canonical_shapes())
     if saved != ours:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
@@ -130,27 +109,19 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
     if not (args.no_load_optim or args.finetune) and "opt_param_scheduler" in common:
         schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
         print_rank_0("> " + schedule.line)
-    sharding = engine.sharding
     kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
-    shard = {kind: torch.zeros(sharding.shard_numel(engine.rank)) for kind in kinds}
-    # in groups of tensors (the same groups on every rank: each load is collective), so a
-    # rank holds at most ~LOAD_GROUP elements per kind at once; no rank is "the" main replica
-    for group in _groups(list(engine.space.tensors.values()), LOAD_GROUP):
-        request = {
-            tensor_key(common, kind, t.name): _sharded(tensor_key(common, kind, t.name), torch.empty(t.shape),
-                                                       replica_id=engine.rank)
-            for t in group for kind in kinds
-        }
+
+    def read(group) -> dict:
+        # the same groups on every rank: each load is collective; no rank is "the" main replica
+        keys = {(t.name, kind): tensor_key(common, kind, t.name) for t in group for kind in kinds}
+        shapes = {t.name: t.shape for t in group}
+        request = {key: _sharded(key, torch.empty(shapes[name]), replica_id=engine.rank)
+                   for (name, _), key in keys.items()}
         state = load_or_explain(request, path, validate_access_integrity=False)
-        for t in group:
-            for piece, lo, hi in sharding.overlaps(engine.rank, t.offset, t.offset + t.numel):
-                for kind in kinds:
-                    values = state[tensor_key(common, kind, t.name)].flatten()[lo - t.offset : hi - t.offset]
-                    shard[kind][piece.local(lo, hi)] = values
-        del state, request
-    engine.optimizer.set_master(shard["param"])
-    if "exp_avg" in shard:
-        engine.optimizer.set_moments(shard["exp_avg"], shard["exp_avg_sq"], int(common["adam_step"]))
+        return {nk: state[key] for nk, key in keys.items()}
+
+    engine.server.load_canonical_state(read, kinds, adam_step=common.get("adam_step"), group_numel=LOAD_GROUP)
+    if "exp_avg" in kinds:
         scheduler.load_state_dict(common["opt_param_scheduler"])
         if schedule is not None:
             schedule.apply()
@@ -236,27 +207,19 @@ def _load_static_weights(args, engine, path: str, common: dict) -> tuple[int, in
     """`--dcp --finetune` from a static or imported checkpoint: its weights into the fixed
     sharding (fresh Adam moments and schedule), group by group as `load` reads."""
     check_model_args(common.get("args"), args, path)
-    tensors = list(engine.space.tensors.values())
     _say_rows(path, common, args.padded_vocab_size)
-    sharding = engine.sharding
-    shard = torch.zeros(sharding.shard_numel(engine.rank))
-    for group in _groups(tensors, LOAD_GROUP):
+
+    def read(group) -> dict:
         values = read_static(path, [(t.name, t.shape) for t in group], replica_id=engine.rank)
-        for t in group:
-            _place(shard, sharding, engine.rank, t, values[t.name].flatten())
-        del values
-    engine.optimizer.set_master(shard)
+        return {(t.name, "param"): values[t.name] for t in group}
+
+    engine.server.load_canonical_state(read, ("param",), group_numel=LOAD_GROUP)
     dist.barrier()
     print_rank_0(f"  loaded the weights of {path} (a checkpoint saved without --dcp) at iteration "
                  f"{common.get('iteration', 0)}; optimizer and schedule start afresh")
     if args.finetune:
         return 0, 0
     return common.get("iteration", 0), common.get("consumed_train_samples", 0)
-
-
-def _place(shard: torch.Tensor, sharding, rank: int, t, flat: torch.Tensor) -> None:
-    for piece, lo, hi in sharding.overlaps(rank, t.offset, t.offset + t.numel):
-        shard[piece.local(lo, hi)] = flat[lo - t.offset : hi - t.offset]
 
 
 def local_name(name: str) -> str:
