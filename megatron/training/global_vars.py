@@ -17,9 +17,7 @@ _TOKENIZER = None
 
 
 def build_tokenizer(args):
-    """Megatron's global tokenizer; sets args.eod_token and, on the static path, args.padded_vocab_size
-    (a multiple of --make-vocab-size-divisible-by x the line's tp). A --dcp run pads once its
-    cluster is known, for every layout its planner may choose (`training_adaptive.vocab_padding_for`)."""
+    """Megatron's global tokenizer; sets args.padded_vocab_size and args.eod_token."""
     global _TOKENIZER
     from dcp_ext.data.tokenizers import build_tokenizer as build, padded_vocab_size
 
@@ -30,10 +28,9 @@ def build_tokenizer(args):
         raise ArgumentError(missing_tokenizer_line(args))
     _TOKENIZER = build(tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
-    if not args.dcp:
-        args.padded_vocab_size = padded_vocab_size(
-            _TOKENIZER.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-        )
+    args.padded_vocab_size = padded_vocab_size(
+        _TOKENIZER.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
     args.eod_token = _TOKENIZER.eod
     return _TOKENIZER
 
