@@ -96,7 +96,7 @@ def model_spec_for(args, name: str | None = None, overlap: bool | None = None, v
         exchange_slots=2 if overlap else 1,
         sequence_parallel=bool(args.sequence_parallel),
         hidden_dropout=dropout,
-        cpu_attention=str(getattr(args, "dcp_cpu_attention", None) or "math"),
+        cpu_attention=str(args.dcp_cpu_attention or "math"),
     )
 
 
