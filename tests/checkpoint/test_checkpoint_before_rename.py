@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 
+from tests.support.fixture_corpus import write_fixture_corpus
 from tests.support.helpers import read_loss_log, run_ranks, run_tool
 
 pytestmark = pytest.mark.dist
@@ -23,8 +24,10 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture
 def old(tmp_path):
-    """A copy of the fixture (a run may write beside the checkpoint: locks, caches)."""
+    """A copy of the fixture (a run may write beside the checkpoint: locks, caches) with the
+    corpus it was trained on, built again (tests/support/fixture_corpus.py)."""
     shutil.copytree(FIXTURE, tmp_path / "old")
+    write_fixture_corpus(str(tmp_path / "old"))
     with open(tmp_path / "old" / "reference.json") as f:
         return str(tmp_path / "old"), json.load(f)
 
