@@ -90,7 +90,16 @@ def write_checksums(folder: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    fd = os.open(folder, os.O_RDONLY)  # the rename, on disk
+    fsync_path(folder)  # the rename, on disk
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file, or the renames/creations inside a directory, to disk (best effort: a no-op
+    where the path cannot be opened or the filesystem cannot sync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
     except OSError:

@@ -51,7 +51,7 @@ import shutil
 import torch.distributed as dist
 
 from dcp_ext.compat import mcore_compat
-from megatron.training.checkpoint.checksums import write_checksums
+from megatron.training.checkpoint.checksums import fsync_path, write_checksums
 from megatron.training.initialize import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -88,23 +88,6 @@ def _fault_point(name: str) -> None:
     """Test hook: `DCP_FAULT_INJECT=<name>` kills the process here (crash-safety tests)."""
     if os.environ.get("DCP_FAULT_INJECT") == name:
         os._exit(17)
-
-
-def _fsync(path: str) -> None:
-    """Flush a file, or the renames/creations inside a directory, to disk (best effort: a no-op
-    where the path cannot be opened or the filesystem cannot sync)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 
 
 def is_complete(path: str) -> bool:
@@ -153,12 +136,12 @@ def _stage_tracker(root: str, iteration: int) -> None:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
-    _fsync(root)
+    fsync_path(root)
 
 
 def _commit_tracker(root: str) -> None:
     os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
-    _fsync(root)
+    fsync_path(root)
 
 
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
@@ -180,7 +163,7 @@ def recover(root: str) -> None:
             base = path[: -len(ASIDE_SUFFIX)]
             if not os.path.exists(base) and is_complete(path):
                 os.rename(path, base)
-                _fsync(root)
+                fsync_path(root)
             else:
                 shutil.rmtree(path, ignore_errors=True)
         elif name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)) and _ITER_DIR.match(name.rsplit(".", 1)[0]):
@@ -196,8 +179,8 @@ def _fsync_tree(path: str) -> None:
     the small ones it may not) and its directories."""
     for d, _, files in os.walk(path):
         for name in files:
-            _fsync(os.path.join(d, name))
-        _fsync(d)
+            fsync_path(os.path.join(d, name))
+        fsync_path(d)
 
 
 def _remove_old(path: str) -> None:
@@ -228,7 +211,7 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
         recover(root)
         _fault_point("after_recover")
         os.makedirs(staging)
-        _fsync(root)
+        fsync_path(root)
         _fault_point("after_staging_dir")
     dist.barrier()
     dist_checkpointing.save(state, staging)
@@ -241,22 +224,22 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
     if dist.get_rank() == 0:
         if os.path.exists(final):  # re-saving an iteration (a relaunch of a finished job, a resume)
             os.rename(final, aside)
-            _fsync(root)
+            fsync_path(root)
             _fault_point("after_aside")
         _stage_tracker(root, iteration)  # before the rename: marks an iter_N not yet committed
         _fault_point("after_tracker_tmp")
         os.rename(staging, final)
-        _fsync(root)
+        fsync_path(root)
         _fault_point("after_rename")
         _commit_tracker(root)
         _fault_point("after_tracker")
         if os.path.exists(aside):
             doomed = final + DELETING_SUFFIX
             os.rename(aside, doomed)  # from here on nothing reads it: `.old` only ever names a complete copy
-            _fsync(root)
+            fsync_path(root)
             _fault_point("after_mark_delete")
             _remove_old(doomed)
-            _fsync(root)
+            fsync_path(root)
             _fault_point("after_delete_old")
     dist.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
