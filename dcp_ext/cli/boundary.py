@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import socket
 import sys
 from contextlib import contextmanager
 from typing import Callable, Mapping
@@ -97,7 +98,8 @@ def writing(flag: str, path: str, what: str | None = None):
 
 
 # ---------------------------------------------------------------- outputs, checked first
-def _existing_ancestor(path: str) -> str:
+def existing_ancestor(path: str) -> str:
+    """The path itself if it exists, else its nearest existing parent."""
     while not os.path.lexists(path):
         parent = os.path.dirname(path)
         if parent == path:
@@ -106,9 +108,10 @@ def _existing_ancestor(path: str) -> str:
     return path
 
 
-def _probe(folder: str) -> OSError | None:
-    """Create, write, fsync and remove a probe file in `folder`; the OS error, if any."""
-    name = os.path.join(folder, f".dcp-probe-{os.getpid()}")
+def write_probe(folder: str) -> OSError | None:
+    """Create, write (PROBE_BYTES), fsync and remove a probe file in `folder`; the OS error, if
+    any. The name holds host and pid: ranks of one job may probe one shared folder at once."""
+    name = os.path.join(folder, f".probe-{socket.gethostname()}-{os.getpid()}")
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
@@ -135,13 +138,13 @@ def check_output(flag: str, path: str, *, make_folder: bool = False) -> None:
     if os.path.isdir(full):
         raise CLIError(f"{flag} {path}: is a directory, not a file; give {flag} a file name", 1)
     folder = os.path.dirname(full)
-    base = _existing_ancestor(folder)
+    base = existing_ancestor(folder)
     if not os.path.isdir(base):
         raise CLIError(f"{flag} {path}: {base} is a file, not a folder; point {flag} to a file in a folder", 1)
     if base != folder and not make_folder:
         raise CLIError(f"{flag} {path}: folder {folder} does not exist: create it (mkdir -p {folder}) "
                        f"or point {flag} elsewhere", 1)
-    err = _probe(base)
+    err = write_probe(base)
     if err is None and os.path.isfile(full):
         try:  # an existing file is replaced: it must be writable too (opened, never truncated here)
             os.close(os.open(full, os.O_WRONLY | os.O_APPEND))

@@ -21,9 +21,9 @@ import errno
 import os
 import socket
 
+from dcp_ext.cli.boundary import existing_ancestor, write_probe
 from megatron.training.flags.argument_errors import ArgumentError
 
-PROBE_BYTES = 64 * 1024
 
 
 class OutputPathError(ArgumentError):
@@ -63,46 +63,14 @@ def os_problem_line(e: OSError, flag: str, what: str) -> tuple[str, str]:
     return (e.strerror or type(e).__name__).lower(), f"point {flag} elsewhere"
 
 
-def _probe(folder: str) -> OSError | None:
-    """Create, write, fsync and remove a probe file in `folder`; the OS error, if any."""
-    name = os.path.join(folder, f".preflight-{socket.gethostname()}-{os.getpid()}")
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        return e
-    try:
-        try:
-            os.write(fd, b"\0" * PROBE_BYTES)
-            os.fsync(fd)
-        except OSError as e:
-            return e
-        finally:
-            os.close(fd)
-    finally:
-        try:
-            os.remove(name)
-        except OSError:
-            pass
-    return None
-
-
-def _existing_ancestor(path: str) -> str:
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def check_dir(flag: str, path: str, cache: bool = False) -> str | None:
     """None if the run can create files in directory `path` (made if missing), else the line."""
     full = os.path.abspath(path)
-    base = _existing_ancestor(full)
+    base = existing_ancestor(full)
     if not os.path.isdir(base):
         where = "is a file, not a directory" if base == full else f"{base} is a file, not a directory"
         return f"{flag} {path}: {where}: point {flag} to a directory"
-    err = _probe(base)
+    err = write_probe(base)
     if err is None:
         return None
     if cache and base == full and os.listdir(full):
@@ -119,7 +87,7 @@ def check_file(flag: str, path: str) -> str | None:
         return f"{flag} {path}: is a directory, not a file: give {flag} a file name"
     folder = os.path.dirname(full)
     if not os.path.isdir(folder):
-        base = _existing_ancestor(folder)
+        base = existing_ancestor(folder)
         if os.path.lexists(base) and not os.path.isdir(base):
             return f"{flag} {path}: {base} is a file, not a folder: point {flag} to a file in an existing folder"
         return f"{flag} {path}: folder {folder} does not exist: create it (mkdir -p {folder}) or point {flag} elsewhere"
@@ -132,7 +100,7 @@ def check_file(flag: str, path: str) -> str | None:
             problem, fix = os_problem_line(e, flag, "file")
             return f"{flag} {path}: {problem} (cannot append to it): {fix}"
         return None
-    err = _probe(folder)
+    err = write_probe(folder)
     if err is None:
         return None
     problem, fix = os_problem_line(err, flag, "folder")
