@@ -143,7 +143,7 @@ def build_planner(config, lengths, cluster, model):
     from dcp_ext.planning.planner import make_planner
     from dcp_ext.planning.planners.errors import PlanningError
 
-    sample = lengths if len(lengths) <= 200_000 else lengths[:200_000]
+    sample = lengths[:200_000]
     started = time.perf_counter()
     try:
         planner = make_planner(config.name, model, cluster, max_seq_len=config.max_seq_len,
