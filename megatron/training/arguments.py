@@ -225,6 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
     return allow_negative_numbers(p)
 
 
+def use_pretrained_checkpoint(args) -> None:
+    """Upstream's `--pretrained-checkpoint DIR`: while `--load` holds no checkpoint (or is not
+    given) the run starts from DIR's weights, as `--load DIR --finetune` (iteration 0, no
+    optimizer or RNG state); once `--load` holds one, it resumes from that, as upstream."""
+    from megatron.training.checkpoint.protocol import TRACKER, holds_checkpoint
+
+    pretrained = args.pretrained_checkpoint
+    if not pretrained or holds_checkpoint(args.load):
+        return
+    if not holds_checkpoint(pretrained):
+        raise ArgumentError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {TRACKER}); point it to "
+                            "the folder that holds the tracker file")
+    args.load, args.finetune = pretrained, True
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse Megatron flags (and --yaml-cfg), fill derived values, validate for `world_size`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -233,8 +248,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     if world_size is None:
         world_size = world_size_from_env(os.environ)
     args.world_size = world_size
-    from megatron.training.checkpoint.protocol import use_pretrained_checkpoint
-
     use_pretrained_checkpoint(args)  # --pretrained-checkpoint: --load DIR --finetune while --load holds none
     loop_flags.apply_checkpoint_args(args)  # --use-checkpoint-args: model flags from --load's checkpoint
     check_ranges(args)  # before the derived values are computed from them (int(nan) would raise)

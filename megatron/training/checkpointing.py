@@ -22,8 +22,7 @@ import torch
 
 from dcp_ext.compat import mcore_compat
 from megatron.training.checkpoint.inspector import check_saved_parts, load_or_explain, open_checkpoint
-from megatron.training.checkpoint.protocol import (CHECKPOINT_VERSION, CheckpointError, common_args,
-                                                   resolve_load_dir, save_sharded_atomic)
+from megatron.training.checkpoint.protocol import CHECKPOINT_VERSION, CheckpointError, resolve_load_dir, save_sharded_atomic
 from megatron.training.initialize import print_rank_0
 from megatron.training.checkpoint.resume_checks import check_model_args, reconcile_lr_schedule
 
@@ -51,11 +50,6 @@ def set_rng_state(state: dict) -> None:
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _layout_signature(args) -> tuple:
-    return (args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.context_parallel_size)
 
 
 def _rng_sharded_object(upstream: bool = False):
@@ -107,29 +101,28 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 CONTENT_METADATA = {**OPTIMIZER_METADATA, "singleton_local_shards": False}
 
 
-def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
+def save_checkpoint(config, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
+    """Write iteration `iteration` to `config.save` (a CheckpointConfig). Collective."""
     from megatron.training.checkpoint.finite_weights import refuse_nonfinite
 
-    refuse_nonfinite(unwrap(model).parameters(), iteration, args.save)
+    refuse_nonfinite(unwrap(model).parameters(), iteration, config.save)
     model_sd = unwrap(model).sharded_state_dict()
-    saved_args = common_args(args)
-    saved_args.consumed_train_samples = consumed_samples  # where upstream's loader reads it
-    saved_args.iteration = iteration
     state = {
-        "args": saved_args,
+        # upstream's loader reads the consumed samples and the iteration in args
+        "args": config.stored_args(consumed_train_samples=consumed_samples, iteration=iteration),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
-        "layout": _layout_signature(args),
+        "layout": tuple(config.layout),
         "model": model_sd,
         "content_metadata": dict(CONTENT_METADATA),  # as dist_checkpointing.save(content_metadata=...) stores it
     }
-    if not args.no_save_optim:  # upstream: neither optimizer nor LR schedule
+    if config.save_optim:  # upstream without it: neither optimizer nor LR schedule
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
-    if not args.no_save_rng:
+    if config.save_rng:
         state["rng_state"] = _rng_sharded_object()
-    save_sharded_atomic(args.save, iteration, state)
+    save_sharded_atomic(config.save, iteration, state)
 
 
 def _adam_steps_from_param_groups(optimizer) -> None:
@@ -179,7 +172,7 @@ def _content_metadata(common: dict) -> dict:
     return {"distrib_optim_sharding_type": old}
 
 
-def _check_optimizer_format(args, common: dict, metadata: dict, path: str) -> None:
+def _check_optimizer_format(config, common: dict, metadata: dict, path: str) -> None:
     """A distributed optimizer's state saved in a buffer-shaped format (upstream's default
     dp_reshardable) loads only into the same buffers: same TP/PP, distributed optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -189,16 +182,16 @@ def _check_optimizer_format(args, common: dict, metadata: dict, path: str) -> No
         return
     saved = common.get("args")
     way_out = "or resume with --no-load-optim (the optimizer state starts afresh)"
-    if not args.use_distributed_optimizer:
+    if not config.distributed_optimizer:
         raise CheckpointError(f"{path}: its optimizer state is a distributed optimizer's in format '{kind}' "
                               f"(upstream's default without --dist-ckpt-optim-fully-reshardable); resume with "
                               f"--use-distributed-optimizer, {way_out}")
-    for name, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+    for name, flag, ours in (("tensor_model_parallel_size", "--tensor-model-parallel-size", config.layout[1]),
+                             ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", config.layout[2])):
         theirs = getattr(saved, name, None)
-        if theirs is not None and theirs != getattr(args, name):
+        if theirs is not None and theirs != ours:
             raise CheckpointError(f"{path}: its optimizer state is in format '{kind}', which loads only under the "
-                                  f"layout it was saved with: {flag} {theirs} (this run: {getattr(args, name)}); "
+                                  f"layout it was saved with: {flag} {theirs} (this run: {ours}); "
                                   f"resume with {flag} {theirs}, {way_out}")
 
 
@@ -214,53 +207,55 @@ def _consumed_samples(common: dict, path: str) -> int:
     return consumed
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
-    """Restore model (always), optimizer, scheduler and RNG (unless told not to); returns
-    (iteration, consumed samples) to continue from."""
-    found = resolve_load_dir(args)
+def load_checkpoint(config, model, optimizer, scheduler) -> tuple[int, int]:
+    """Restore model (always), optimizer, scheduler and RNG (unless told not to) from
+    `config.load` (a CheckpointConfig); returns (iteration, consumed samples) to continue from."""
+    found = resolve_load_dir(config.load, config.exit_on_missing)
     if found is None:
         return 0, 0
-    path, _ = found
-    common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
+    path = found.path
+    if found.release:
+        config = config.as_finetune()
+    common = open_checkpoint(path, skip_verify=not config.verify)  # inspected and checksums verified
     from megatron.training.checkpoint.checkpointing_adaptive import is_adaptive, load_dcp_weights  # (issue 28)
 
     if is_adaptive(common):
-        if not (args.finetune or args.no_load_optim):
+        if config.loads_optimizer():
             raise CheckpointError(f"{path}: an adaptive-runtime checkpoint (saved with --dcp): resume it with --dcp, "
                                   "start from its weights with --finetune, or export it with "
                                   "tools/convert_dcp_checkpoint.py")
-        load_dcp_weights(args, unwrap(model), path, common)
-        if args.bf16 or args.fp16:
+        load_dcp_weights(config, unwrap(model), path, common)
+        if config.mixed_precision:
             optimizer.reload_model_params()
-        return (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
-    check_model_args(common.get("args"), args, path)
+        return (0, 0) if config.finetune else (common["iteration"], common["consumed_train_samples"])
+    check_model_args(common.get("args"), config.model_flags, path)
     saved_vocab = getattr(common.get("args"), "padded_vocab_size", None)
-    if saved_vocab is not None and saved_vocab != args.padded_vocab_size:
-        tp = args.tensor_model_parallel_size
+    if saved_vocab is not None and saved_vocab != config.padded_vocab_size:
+        tp = config.tensor_parallel
         hint = f"--make-vocab-size-divisible-by {saved_vocab // tp}" if saved_vocab % tp == 0 else "the saved padding"
         raise CheckpointError(f"{path}: vocabulary padded to {saved_vocab} rows, this run pads to "
-                              f"{args.padded_vocab_size}: a different model; use {hint}")
-    check_saved_parts(args, common, path)  # --no-save-optim/--no-save-rng checkpoints need --no-load-*
+                              f"{config.padded_vocab_size}: a different model; use {hint}")
+    check_saved_parts(config, common, path)  # --no-save-optim/--no-save-rng checkpoints need --no-load-*
     upstream = upstream_format(common)
     saved_layout = _saved_layout(common)
-    same_layout = saved_layout == _layout_signature(args)
+    same_layout = saved_layout == tuple(config.layout)
     metadata = _content_metadata(common)
     model_sd = unwrap(model).sharded_state_dict(metadata=dict(metadata))
     request = {"model": model_sd}
-    load_optim = not (args.no_load_optim or args.finetune)
+    load_optim = config.loads_optimizer()
     if load_optim:  # before any tensor is read
-        _check_optimizer_format(args, common, metadata, path)
-        schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
+        _check_optimizer_format(config, common, metadata, path)
+        schedule = reconcile_lr_schedule(config, scheduler, common["opt_param_scheduler"], path)
         print_rank_0("> " + schedule.line)
     if load_optim:
         mcore_compat.prepare_optimizer_for_load(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
     # upstream restores RNG state under the same TP/PP (its grid); ours under the same layout
-    same_grid = saved_layout[1:3] == _layout_signature(args)[1:3] if upstream else same_layout
-    load_rng = not (args.no_load_rng or args.finetune) and same_grid
+    same_grid = saved_layout[1:3] == tuple(config.layout[1:3]) if upstream else same_layout
+    load_rng = config.loads_rng() and same_grid
     if load_rng:
         request["rng_state"] = _rng_sharded_object(upstream)
-    consumed = 0 if args.finetune else _consumed_samples(common, path)
+    consumed = 0 if config.finetune else _consumed_samples(common, path)
     state = load_or_explain(request, path)
     unwrap(model).load_state_dict(state["model"], strict=True)
     if load_optim:
@@ -270,13 +265,13 @@ def load_checkpoint(args, model, optimizer, scheduler) -> tuple[int, int]:
         _adam_steps_from_param_groups(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
         schedule.apply()
-    elif args.bf16 or args.fp16:
+    elif config.mixed_precision:
         # The fp32 master weights are copies, not views: refresh them from the loaded model
         # (Megatron's load_checkpoint does the same), or the first step would undo the load.
         optimizer.reload_model_params()
     if load_rng:
         _restore_rng(state["rng_state"], upstream, path)
-    iteration = 0 if args.finetune else common["iteration"]
+    iteration = 0 if config.finetune else common["iteration"]
     print_rank_0(f"  loaded checkpoint from {path} at iteration {common['iteration']}"
                  + (" (written by upstream Megatron-LM)" if upstream else "")
                  + ("" if same_layout else " (resharded from another layout)"))

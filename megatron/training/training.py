@@ -23,6 +23,7 @@ from megatron.training.checkpoint import finite_weights
 from megatron.training.startup import preflight
 from megatron.training.loop.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.flags.records import checkpoint_config_for, loop_config_for, memory_budget_for
 from megatron.training.loop.batch_schedule import batch_size_of_iteration
 from megatron.training.initialize import (
     initialize_distributed,
@@ -278,7 +279,7 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
     preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
     from megatron.training.checkpoint import lock as checkpoint_lock
 
-    checkpoint_lock.acquire(args)  # one job per --save: rank 0 takes its lock, or every rank stops here
+    checkpoint_lock.acquire(args.save)  # one job per --save: rank 0 takes its lock, or every rank stops here
     from megatron.training.flags.model_flags import startup_notes
 
     for note in startup_notes(args):  # what the model/kernel/precision flags do on this machine
@@ -300,16 +301,17 @@ def train_run(args, run) -> list:
     static layout (`StaticRun`) and the adaptive runtime (`training_adaptive.AdaptiveRun`)."""
     run.seed()
     run.data()
-    peak_memory = start_memory_report(args)  # every rank's peak from here on, said after training
+    budget = memory_budget_for(args)
+    peak_memory = start_memory_report(budget)  # every rank's peak from here on, said after training
     optimizer = run.build(peak_memory)
     scheduler = build_lr_scheduler(args, optimizer)
     iteration, consumed_samples = run.load(scheduler) if args.load else (0, 0)
     logger = TrainingLogger(args)
     features = LoopFeatures(args, adaptive=args.dcp)
     steps = run.steps(scheduler, consumed_samples, logger, features)
-    history = run_training(args, steps, iteration, features)
+    history = run_training(loop_config_for(args), steps, iteration, features)
     run.finish()
-    report_memory(args, peak_memory)
+    report_memory(budget, peak_memory)
     logger.close()
     dist.barrier()
     return history
@@ -331,16 +333,18 @@ class StaticRun:
 
     def build(self, peak_memory):
         self.model, self.optimizer, self.config = build_model_and_optimizer(self.args, self.model_provider)
+        self.checkpointing = checkpoint_config_for(self.args)  # the vocabulary is padded by now
         return self.optimizer
 
     def load(self, scheduler) -> tuple[int, int]:
-        return checkpointing.load_checkpoint(self.args, self.model, self.optimizer, scheduler)
+        return checkpointing.load_checkpoint(self.checkpointing, self.model, self.optimizer, scheduler)
 
     def steps(self, scheduler, consumed_samples: int, logger, features) -> "StaticSteps":
         self.model.train()
         attach_timers(self.config, self.optimizer, features.timers)
         return StaticSteps(self.args, self.model, self.optimizer, scheduler, self.config, self.forward_step_func,
-                           self.train_ds, self.valid_ds, consumed_samples, logger, features, test_ds=self.test_ds)
+                           self.train_ds, self.valid_ds, consumed_samples, logger, features, test_ds=self.test_ds,
+                           checkpointing=self.checkpointing)
 
     def finish(self) -> None:
         pass
@@ -445,7 +449,7 @@ class StaticSteps:
     save_without_progress = True
 
     def __init__(self, args, model, optimizer, scheduler, config, forward_step_func, train_ds, valid_ds,
-                 consumed_samples, logger, features, test_ds=None):
+                 consumed_samples, logger, features, test_ds=None, checkpointing=None):
         from megatron.core import parallel_state
 
         from megatron.training.loop.batches import collate_fixed_length
@@ -453,6 +457,7 @@ class StaticSteps:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.config, self.forward_step_func, self.logger, self.features = config, forward_step_func, logger, features
         self.train_ds, self.valid_ds, self.consumed_samples = train_ds, valid_ds, consumed_samples
+        self.checkpointing = checkpointing  # a CheckpointConfig: what save() writes where
         self.has_validation = valid_ds is not None
         self.test_ds, self.has_test = test_ds, test_ds is not None
         self.consumed_valid_samples = 0  # the validation pass walks on from here (wrapping at the split's end)
@@ -506,7 +511,7 @@ class StaticSteps:
             self.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
 
     def save(self, iteration: int) -> None:
-        checkpointing.save_checkpoint(self.args, iteration, self.consumed_samples, self.model, self.optimizer,
+        checkpointing.save_checkpoint(self.checkpointing, iteration, self.consumed_samples, self.model, self.optimizer,
                                       self.scheduler)
 
     def close(self) -> None:

@@ -6,7 +6,6 @@ jobs: two on one --save (the second refuses before training, the first finishes 
 checkpoints), a holder killed with SIGKILL (the next job takes its lock over, saying so),
 and the lock given back after a normal end, SIGTERM and an error exit.
 """
-import argparse
 import json
 import os
 import signal
@@ -178,14 +177,14 @@ def test_recover_leaves_the_lock_alone(tmp_path):
 
 
 def test_acquire_without_save_does_nothing(tmp_path):
-    lock.acquire(argparse.Namespace(save=None))
+    lock.acquire(None)
     assert lock._held is None
 
 
 def test_acquire_refuses_with_the_holders_line(tmp_path):
     write_record(str(tmp_path))
     with pytest.raises(CheckpointLockError, match="in use by another training job"):
-        lock.acquire(argparse.Namespace(save=str(tmp_path)))
+        lock.acquire(str(tmp_path))
 
 
 def test_sigterm_gives_the_lock_back_then_dies_of_it(tmp_path, monkeypatch):
@@ -194,7 +193,7 @@ def test_sigterm_gives_the_lock_back_then_dies_of_it(tmp_path, monkeypatch):
     previous = signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        lock.acquire(argparse.Namespace(save=str(tmp_path)))
+        lock.acquire(str(tmp_path))
         assert signal.getsignal(signal.SIGTERM) is stop_signals.on_sigterm
         stop_signals.on_sigterm(signal.SIGTERM, None)
         assert not os.path.exists(tmp_path / LOCK_NAME)

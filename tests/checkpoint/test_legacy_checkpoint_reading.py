@@ -4,7 +4,6 @@ args Namespace and numpy RNG arrays are data), the refusal of `--load` that name
 and the conversion command, and the converter's joining of tensor-parallel shards.
 The conversion end to end: tests/checkpoint/test_convert_legacy_checkpoint.py."""
 import argparse
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,17 +20,13 @@ def _legacy_dir(root, iteration=5, ranks=("mp_rank_00", "mp_rank_01"), tracker=N
     return folder
 
 
-def _args(load):
-    return SimpleNamespace(load=str(load), exit_on_missing_checkpoint=False, finetune=False)
-
-
 def test_load_of_a_legacy_checkpoint_names_its_format_and_the_conversion(tmp_path):
     from megatron.training.checkpoint.protocol import CheckpointError, resolve_load_dir
 
     root = tmp_path / "upstream"
     _legacy_dir(root)
     with pytest.raises(CheckpointError) as e:
-        resolve_load_dir(_args(root))
+        resolve_load_dir(str(root))
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith(f"--load {root}: {root}/iter_0000005 is an upstream Megatron-LM checkpoint in its legacy "
@@ -48,11 +43,11 @@ def test_legacy_release_and_trackerless_checkpoints_say_the_same(tmp_path):
     release = tmp_path / "release_ckpt"
     _legacy_dir(release, ranks=("mp_rank_00_000", "mp_rank_00_001"), tracker="release")
     with pytest.raises(CheckpointError, match=r"pipeline-parallel 2\); this fork loads torch_dist"):
-        resolve_load_dir(_args(release))
+        resolve_load_dir(str(release))
     bare = tmp_path / "no_tracker"
     _legacy_dir(bare, iteration=300, tracker=False)
     with pytest.raises(CheckpointError, match="add --iteration 300 to the conversion"):
-        resolve_load_dir(_args(bare))
+        resolve_load_dir(str(bare))
 
 
 def _upstream_like_file(path, **extra):

@@ -98,6 +98,7 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
 
     from megatron.training import checkpointing
     from megatron.training.checkpoint import checkpointing_adaptive
+    from megatron.training.flags.records import checkpoint_config_for
 
     args = _args(kind, root)
     if kind == "static":
@@ -109,11 +110,11 @@ def _save(kind: str, root: str, iteration: int, tag: float) -> None:
             for p in model.parameters():
                 p.fill_(tag)
         optimizer.reload_model_params()
-        checkpointing.save_checkpoint(args, iteration, iteration * GBS, model, optimizer, scheduler)
+        checkpointing.save_checkpoint(checkpoint_config_for(args), iteration, iteration * GBS, model, optimizer, scheduler)
     else:
         engine, scheduler = _engine(args)
         engine.optimizer.set_master(torch.full_like(engine.optimizer.master(), tag))
-        checkpointing_adaptive.save(args, iteration, iteration * GBS, engine, scheduler, {"tag": tag})
+        checkpointing_adaptive.save(checkpoint_config_for(args), iteration, iteration * GBS, engine, scheduler, {"tag": tag})
 
 
 def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
@@ -121,17 +122,18 @@ def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
     values), written to `result`; then, with `then_save`, a plain save of the next iteration."""
     from megatron.training import checkpointing
     from megatron.training.checkpoint import checkpointing_adaptive
+    from megatron.training.flags.records import checkpoint_config_for
 
     args = _args(kind, root)
     if kind == "static":
         model, optimizer, scheduler = _static(args)
-        iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        iteration, consumed = checkpointing.load_checkpoint(checkpoint_config_for(args), model, optimizer, scheduler)
         values = sorted({float(v) for p in model.parameters() for v in p.detach().unique()})
         planner_tag = None
     else:
         engine, scheduler = _engine(args)
         planner = _Planner()
-        iteration, consumed = checkpointing_adaptive.load(args, engine, scheduler, planner)
+        iteration, consumed = checkpointing_adaptive.load(checkpoint_config_for(args), engine, scheduler, planner)
         values = sorted({float(v) for v in engine.optimizer.master().unique()})
         planner_tag = (planner.state or {}).get("tag")
     loaded = {"iteration": iteration, "consumed": consumed, "values": values[:3], "planner_tag": planner_tag}
@@ -144,9 +146,9 @@ def _load(kind: str, root: str, result: str, then_save: bool) -> dict:
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
                 optimizer.step()
-            checkpointing.save_checkpoint(args, nxt, nxt * GBS, model, optimizer, scheduler)
+            checkpointing.save_checkpoint(checkpoint_config_for(args), nxt, nxt * GBS, model, optimizer, scheduler)
         else:
-            checkpointing_adaptive.save(args, nxt, nxt * GBS, engine, scheduler, {"tag": planner_tag})
+            checkpointing_adaptive.save(checkpoint_config_for(args), nxt, nxt * GBS, engine, scheduler, {"tag": planner_tag})
     return loaded
 
 
@@ -187,6 +189,7 @@ def _serve() -> None:
     from dcp_ext.runtime import engine  # noqa: F401
     from megatron.training import training  # noqa: F401
     from megatron.training.checkpoint import checkpointing_adaptive
+    from megatron.training.flags.records import checkpoint_config_for
 
     gc.freeze()  # megatron-core's save calls gc.collect(): keep the imported heap out of it
     print(json.dumps({"ready": True}), flush=True)

@@ -10,7 +10,6 @@ that used to go wrong (megatron/training/checkpoint/protocol.py `resolve_load_di
   load and training starts at iteration 0, as upstream does; a release folder this fork
   cannot read is refused in one line. It is never "iteration 0" silently.
 """
-import argparse
 import hashlib
 import os
 import shutil
@@ -23,8 +22,8 @@ from tests.support.helpers import read_loss_log, run_ranks
 from tests.support.helpers import assert_one_line_error
 
 
-def args_for(load, **kw):
-    return argparse.Namespace(load=str(load), exit_on_missing_checkpoint=False, finetune=False, **kw)
+def args_for(load):
+    return str(load)  # --load
 
 
 def complete(root, name):
@@ -76,15 +75,15 @@ def test_a_first_save_killed_before_its_commit_still_starts_fresh(tmp_path, caps
 
 def test_exit_on_missing_checkpoint_still_wins_on_an_empty_folder(tmp_path):
     with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
-        resolve_load_dir(argparse.Namespace(load=str(tmp_path), exit_on_missing_checkpoint=True, finetune=False))
+        resolve_load_dir(str(tmp_path), exit_on_missing=True)
 
 
 def test_a_release_tracker_loads_the_release_folder_from_iteration_0(tmp_path, capsys):
     (tmp_path / TRACKER).write_text("release\n")
     complete(tmp_path, "release")
-    args = args_for(tmp_path)
-    assert resolve_load_dir(args) == (str(tmp_path / "release"), 0)
-    assert args.finetune  # weights only: no optimizer, scheduler or RNG state, iteration 0 (upstream's rule)
+    found = resolve_load_dir(args_for(tmp_path))
+    assert (found.path, found.iteration) == (str(tmp_path / "release"), 0)
+    assert found.release  # loaded as --finetune: no optimizer, scheduler or RNG state, iteration 0 (upstream's rule)
     out = capsys.readouterr().out
     assert "release checkpoint" in out and "iteration 0" in out
 

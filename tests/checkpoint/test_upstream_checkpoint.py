@@ -47,9 +47,10 @@ def test_upstream_checkpoint_resumes_with_its_optimizer_state(text_corpus, tmp_p
     assert mine["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
 
 
-def _args(**kw):
-    base = dict(use_distributed_optimizer=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    return SimpleNamespace(**dict(base, **kw))
+def _config(tp=1, pp=1, distributed_optimizer=True):
+    from megatron.training.checkpoint.config import CheckpointConfig
+
+    return CheckpointConfig(layout=(tp * pp, tp, pp, 1), distributed_optimizer=distributed_optimizer)
 
 
 def _common(kind, tp=1, pp=1):
@@ -62,13 +63,13 @@ def test_buffer_shaped_optimizer_state_needs_its_layout():
     from megatron.training.checkpointing import _check_optimizer_format, _content_metadata
 
     meta = _content_metadata(_common("dp_reshardable", tp=2))
-    _check_optimizer_format(_args(tensor_model_parallel_size=2), _common("dp_reshardable", tp=2), meta, "ck")
-    _check_optimizer_format(_args(), _common("fully_reshardable", tp=2), _content_metadata(
+    _check_optimizer_format(_config(tp=2), _common("dp_reshardable", tp=2), meta, "ck")
+    _check_optimizer_format(_config(), _common("fully_reshardable", tp=2), _content_metadata(
         _common("fully_reshardable", tp=2)), "ck")  # model-space: any layout
     with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2 .this run: 1.; resume with"):
-        _check_optimizer_format(_args(), _common("dp_reshardable", tp=2), meta, "ck")
+        _check_optimizer_format(_config(), _common("dp_reshardable", tp=2), meta, "ck")
     with pytest.raises(CheckpointError, match="resume with --use-distributed-optimizer"):
-        _check_optimizer_format(_args(use_distributed_optimizer=False), _common("dp_reshardable"), meta, "ck")
+        _check_optimizer_format(_config(distributed_optimizer=False), _common("dp_reshardable"), meta, "ck")
 
 
 def test_checkpoints_without_content_metadata():

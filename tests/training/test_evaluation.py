@@ -48,10 +48,10 @@ def test_the_block_is_upstreams(capsys):
 
 
 def test_a_resumed_run_goes_on_where_upstreams_count_puts_it():
-    from megatron.training.loop.run import validation_batches_before
+    from megatron.training.loop.run import LoopConfig, validation_batches_before
 
-    assert validation_batches_before(SimpleNamespace(eval_interval=5, eval_iters=3), 12) == 6  # evaluated at 5, 10
-    assert validation_batches_before(SimpleNamespace(eval_interval=None, eval_iters=3), 12) == 0
+    assert validation_batches_before(LoopConfig(train_iters=20, eval_interval=5, eval_iters=3), 12) == 6  # evaluated at 5, 10
+    assert validation_batches_before(LoopConfig(train_iters=20, eval_interval=None, eval_iters=3), 12) == 0
 
 
 @pytest.mark.dist

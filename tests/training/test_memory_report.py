@@ -5,7 +5,6 @@ what it allocated and the idle ranks' must stay well below, a generous budget sa
 `within`, a budget below the allocation names exactly the rank that exceeded it. Then one
 short run of the real entry point (static and --dcp on one rank each) must end with the line.
 """
-import argparse
 
 import pytest
 
@@ -22,18 +21,18 @@ ALLOC_MIB = 100
 def _allocate_and_report(rank, world_size):
     import torch
 
-    from megatron.training.loop.memory_report import report_memory, start_memory_report
+    from megatron.training.loop.memory_report import budget_bytes, report_memory, start_memory_report
 
     lines = []
     # a generous budget (1 GiB): rank 2 allocates 100 MiB of tensors
     peak = start_memory_report()
     held = torch.ones(ALLOC_MIB * MiB // 4) if rank == 2 else None
-    lines.append(report_memory(argparse.Namespace(dcp_device_memory=2**30, dcp_device_memory_gb=None), peak))
+    lines.append(report_memory(budget_bytes(2**30, None), peak))
     del held
     # a budget below the allocation (50MB): rank 1 allocates, from a fresh start point
     peak = start_memory_report()
     held = torch.ones(ALLOC_MIB * MiB // 4) if rank == 1 else None
-    lines.append(report_memory(argparse.Namespace(dcp_device_memory=50 * 10**6, dcp_device_memory_gb=None), peak))
+    lines.append(report_memory(budget_bytes(50 * 10**6, None), peak))
     del held
     return lines
 

@@ -17,6 +17,8 @@ from dcp_ext.planning.layout import bucket_numel_for
 from dcp_ext.planning.specs import ModelSpec
 from dcp_ext.runtime.options import EngineOptions
 from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
+from megatron.training.checkpoint.config import CheckpointConfig
+from megatron.training.flags.records import checkpoint_config_for
 from megatron.training.flags.model_flags import Machine, config_fields, uses_transformer_engine
 
 OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
@@ -146,6 +148,7 @@ class AdaptiveRunConfig:
     engine: EngineOptions
     model: ModelSpec  # the planner's and the cost model's view of the model the engine builds
     planner: PlannerConfig
+    checkpoint: CheckpointConfig  # what saving and loading need (built after the vocabulary is padded)
     overlap_note: str | None = None  # said once at start when the overlap flags are set aside
 
     @classmethod
@@ -162,4 +165,4 @@ class AdaptiveRunConfig:
             exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,
             grad_reduce_in_bf16=bool(args.grad_reduce_in_bf16 and args.bf16), init_seed=args.seed,
             init_std=args.init_method_std, layer_strategies=args.dcp_layer_strategies == "on", device=device)
-        return cls(engine, spec, PlannerConfig.from_args(args), note)
+        return cls(engine, spec, PlannerConfig.from_args(args), checkpoint_config_for(args), note)

@@ -276,7 +276,7 @@ class AdaptiveRun:
         return engine.optimizer
 
     def load(self, scheduler) -> tuple[int, int]:
-        return checkpointing_adaptive.load(self.args, self.engine, scheduler, self.planner)
+        return checkpointing_adaptive.load(self.config.checkpoint, self.engine, scheduler, self.planner)
 
     def steps(self, scheduler, consumed_samples: int, logger, features) -> "AdaptiveSteps":
         self.engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
@@ -292,7 +292,7 @@ class AdaptiveRun:
                 print_rank_0(line)
         self.adaptive_steps = AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds,
                                             self.valid_ds, consumed_samples, logger, features, self.recalibration,
-                                            test_ds=self.test_ds)
+                                            test_ds=self.test_ds, checkpointing=self.config.checkpoint)
         return self.adaptive_steps
 
     def finish(self) -> None:
@@ -314,10 +314,11 @@ class AdaptiveSteps:
     save_without_progress = False
 
     def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
-                 recalibration: OnlineCalibration | None = None, test_ds=None):
+                 recalibration: OnlineCalibration | None = None, test_ds=None, checkpointing=None):
         from dcp_ext.data.batches import GlobalBatchStream
 
         self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
+        self.checkpointing = checkpointing  # a CheckpointConfig: what save() writes where
         self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
         self.has_validation = valid_ds is not None
         self.test_ds, self.has_test = test_ds, test_ds is not None
@@ -456,7 +457,7 @@ class AdaptiveSteps:
         self.logger.log_validation(iteration, loss, prefix, scalars=split != "test")
 
     def save(self, iteration: int) -> None:
-        checkpointing_adaptive.save(self.args, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
+        checkpointing_adaptive.save(self.checkpointing, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
                                self.planner_state)
 
     def close(self) -> None:

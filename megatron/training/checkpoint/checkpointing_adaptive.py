@@ -55,18 +55,19 @@ def _sharded(key: str, tensor: torch.Tensor, replica_id: int):
     return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
 
 
-def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
+def save(config, iteration: int, consumed_samples: int, engine, scheduler, planner_state: dict) -> None:
+    """Write iteration `iteration` to `config.save` (a CheckpointConfig). Collective."""
     from megatron.training.checkpoint.finite_weights import refuse_nonfinite
 
-    refuse_nonfinite([engine.optimizer.master()], iteration, args.save)
-    kinds = ("param",) if args.no_save_optim else KINDS  # weights only
+    refuse_nonfinite([engine.optimizer.master()], iteration, config.save)
+    kinds = KINDS if config.save_optim else ("param",)  # weights only
     state = {}
     for name, kind, value in engine.server.canonical_state(kinds):  # each whole on one rank
         if value is not None:
             key = tensor_key(None, kind, name)
             state[key] = _sharded(key, value.cpu(), replica_id=0)
     state.update({
-        "args": ckpt.common_args(args),
+        "args": config.stored_args(),
         "checkpoint_version": ckpt.CHECKPOINT_VERSION,
         "format": FORMAT,
         "iteration": iteration,
@@ -77,39 +78,42 @@ def save(args, iteration: int, consumed_samples: int, engine, scheduler, planner
     })
     if kinds == KINDS:
         state["opt_param_scheduler"] = scheduler.state_dict()
-    ckpt.save_sharded_atomic(args.save, iteration, state)
+    ckpt.save_sharded_atomic(config.save, iteration, state)
 
 
-def load(args, engine, scheduler, planner) -> tuple[int, int]:
-    found = ckpt.resolve_load_dir(args)
+def load(config, engine, scheduler, planner) -> tuple[int, int]:
+    """Resume from `config.load` (a CheckpointConfig): (iteration, consumed samples)."""
+    found = ckpt.resolve_load_dir(config.load, config.exit_on_missing)
     if found is None:
         return 0, 0
-    path, _ = found
-    common = open_checkpoint(path, skip_verify=args.no_verify_checkpoint)  # inspected and checksums verified
+    path = found.path
+    if found.release:
+        config = config.as_finetune()
+    common = open_checkpoint(path, skip_verify=not config.verify)  # inspected and checksums verified
     if not is_adaptive(common):
-        if not (args.finetune or args.no_load_optim):
+        if config.loads_optimizer():
             raise ckpt.CheckpointError(f"{path}: not an adaptive-runtime checkpoint (saved without --dcp, or "
                                        "imported): start --dcp from its weights with --finetune (or "
                                        "--no-load-optim), or resume it without --dcp")
-        return _load_static_weights(args, engine, path, common)
-    check_model_args(common.get("args"), args, path)
+        return _load_static_weights(config, engine, path, common)
+    check_model_args(common.get("args"), config.model_flags, path)
     saved_rows = getattr(common.get("args"), "padded_vocab_size", None)
-    if saved_rows is not None and saved_rows != args.padded_vocab_size:
+    if saved_rows is not None and saved_rows != config.padded_vocab_size:
         raise ckpt.CheckpointError(
-            f"{path}: its vocabulary is padded to {saved_rows} rows, this run's to {args.padded_vocab_size} "
-            f"(--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}, vocabulary "
-            f"{args.vocab_size or '?'}): resume with the flags it was trained with")
+            f"{path}: its vocabulary is padded to {saved_rows} rows, this run's to {config.padded_vocab_size} "
+            f"(--make-vocab-size-divisible-by {config.vocab_divisor}, vocabulary "
+            f"{config.vocab_size or '?'}): resume with the flags it was trained with")
     saved = {name: tuple(shape) for name, shape in common["canonical"]}
     ours = dict(engine.server.canonical_shapes())
     if saved != ours:
         diff = sorted(set(saved.items()) ^ set(ours.items()))[:1]
         raise ckpt.CheckpointError(f"{path}: model shape differs from the checkpoint's (first difference: {diff})")
-    check_saved_parts(args, common, path)
+    check_saved_parts(config, common, path)
     schedule = None
-    if not (args.no_load_optim or args.finetune) and "opt_param_scheduler" in common:
-        schedule = reconcile_lr_schedule(args, scheduler, common["opt_param_scheduler"], path)
+    if config.loads_optimizer() and "opt_param_scheduler" in common:
+        schedule = reconcile_lr_schedule(config, scheduler, common["opt_param_scheduler"], path)
         print_rank_0("> " + schedule.line)
-    kinds = KINDS if not (args.no_load_optim or args.finetune) else ("param",)
+    kinds = KINDS if config.loads_optimizer() else ("param",)
 
     def read(group) -> dict:
         # the same groups on every rank: each load is collective; no rank is "the" main replica
@@ -126,7 +130,7 @@ def load(args, engine, scheduler, planner) -> tuple[int, int]:
         if schedule is not None:
             schedule.apply()
     dist.barrier()
-    if args.finetune:
+    if config.finetune:
         return 0, 0
     planner.load_planning_state(common.get("planner_state") or {})  # with the calibration's windows
     print_rank_0(f"  loaded adaptive checkpoint from {path} at iteration {common['iteration']}")
@@ -203,11 +207,11 @@ def _say_rows(path: str, common: dict, rows: int) -> None:
                      "are loaded, any others start at zero (rows past the tokenizer's vocabulary are padding)")
 
 
-def _load_static_weights(args, engine, path: str, common: dict) -> tuple[int, int]:
+def _load_static_weights(config, engine, path: str, common: dict) -> tuple[int, int]:
     """`--dcp --finetune` from a static or imported checkpoint: its weights into the fixed
     sharding (fresh Adam moments and schedule), group by group as `load` reads."""
-    check_model_args(common.get("args"), args, path)
-    _say_rows(path, common, args.padded_vocab_size)
+    check_model_args(common.get("args"), config.model_flags, path)
+    _say_rows(path, common, config.padded_vocab_size)
 
     def read(group) -> dict:
         values = read_static(path, [(t.name, t.shape) for t in group], replica_id=engine.rank)
@@ -217,7 +221,7 @@ def _load_static_weights(args, engine, path: str, common: dict) -> tuple[int, in
     dist.barrier()
     print_rank_0(f"  loaded the weights of {path} (a checkpoint saved without --dcp) at iteration "
                  f"{common.get('iteration', 0)}; optimizer and schedule start afresh")
-    if args.finetune:
+    if config.finetune:
         return 0, 0
     return common.get("iteration", 0), common.get("consumed_train_samples", 0)
 
@@ -246,7 +250,7 @@ class ShapesOnly(torch.nn.Module):
         return iter(self._named)
 
 
-def load_dcp_weights(args, model, path: str, common: dict) -> None:
+def load_dcp_weights(config, model, path: str, common: dict) -> None:
     """The static path's `--finetune` (or `--no-load-optim`) from a --dcp checkpoint: every
     parameter of this rank's stage filled from the checkpoint's canonical tensors, mapped
     as the adaptive runtime maps a layout (`param_map.map_stage`). Collective (each rank
@@ -256,17 +260,17 @@ def load_dcp_weights(args, model, path: str, common: dict) -> None:
 
     from dcp_ext.runtime.params.param_map import CanonicalSpace, map_stage
 
-    check_model_args(common.get("args"), args, path)
+    check_model_args(common.get("args"), config.model_flags, path)
     stored = {local_name(n): n for n, _ in common["canonical"]}
     space = CanonicalSpace(ShapesOnly([(local_name(n), s) for n, s in common["canonical"]]))
-    tp, tp_rank = args.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+    tp, tp_rank = config.tensor_parallel, parallel_state.get_tensor_model_parallel_rank()
     rows = space.tensors.get("embedding.word_embeddings.weight")
-    if rows is not None and rows.shape[0] != args.padded_vocab_size:
+    if rows is not None and rows.shape[0] != config.padded_vocab_size:
         raise ckpt.CheckpointError(f"{path}: its vocabulary is padded to {rows.shape[0]} rows, this run's to "
-                                   f"{args.padded_vocab_size}: pass --make-vocab-size-divisible-by "
+                                   f"{config.padded_vocab_size}: pass --make-vocab-size-divisible-by "
                                    f"{rows.shape[0] // tp} (at --tensor-model-parallel-size {tp})")
     try:
-        local = map_stage(model, space, tp, tp_rank, bool(args.swiglu))
+        local = map_stage(model, space, tp, tp_rank, config.swiglu)
     except (KeyError, ValueError) as e:
         raise ckpt.CheckpointError(f"{path}: the model flags do not describe its model ({str(e).strip()})") from None
     needed = sorted({lp.canonical for lp in local})

@@ -218,16 +218,16 @@ def load_or_explain(request: dict, path: str, **kwargs) -> dict:
         raise CheckpointError(f"{path} cannot be loaded into this model ({why}): check the model flags") from None
 
 
-def check_saved_parts(args, common: dict, path: str) -> None:
+def check_saved_parts(config, common: dict, path: str) -> None:
     """A checkpoint saved with --no-save-optim / --no-save-rng lacks those parts: the load must
-    be told not to read them (upstream stops the same way), in one line."""
+    be told not to read them (upstream stops the same way), in one line. `config`: the
+    run's CheckpointConfig (the adaptive runtime keeps no RNG state in its checkpoints)."""
     saved = common.get("args")
     missing, flags = [], []
-    load_optim = not (args.no_load_optim or args.finetune)
-    if load_optim and getattr(saved, "no_save_optim", False):
+    if config.loads_optimizer() and getattr(saved, "no_save_optim", False):
         missing.append("optimizer state")
         flags.append("--no-load-optim")
-    if not (args.no_load_rng or args.finetune) and getattr(saved, "no_save_rng", False) and not args.dcp:
+    if config.loads_rng() and getattr(saved, "no_save_rng", False) and not config.adaptive:
         missing.append("RNG state")
         flags.append("--no-load-rng")
     if missing:

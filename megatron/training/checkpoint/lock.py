@@ -318,11 +318,10 @@ def _restore_sigterm(held: _Held) -> None:
 
 
 # ------------------------------------------------------------------ the job
-def acquire(args) -> None:
+def acquire(save: str | None) -> None:
     """Collective when torch.distributed is up: rank 0 takes the lock of `--save` (if given),
     every rank learns the verdict; raises CheckpointLockError (the same line on every rank)
     when another job holds it."""
-    save = args.save
     if not save:
         return
     import torch.distributed as dist

@@ -47,6 +47,7 @@ import argparse
 import os
 import re
 import shutil
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -244,9 +245,14 @@ def save_sharded_atomic(root: str, iteration: int, state: dict) -> None:
     dist.barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
 
-def common_args(args) -> argparse.Namespace:
-    keep = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
-    return argparse.Namespace(**keep)
+def plain_values(namespace) -> dict:
+    """The picklable plain values of a flags namespace: what common.pt stores as `args`."""
+    return {k: v for k, v in vars(namespace).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+
+
+def common_args(namespace) -> argparse.Namespace:
+    """Megatron's `args` entry of common.pt for a namespace of flags (the tools' writers)."""
+    return argparse.Namespace(**plain_values(namespace))
 
 
 
@@ -334,65 +340,64 @@ def _int_or_none(text: str) -> int | None:
         return None
 
 
-def _release_dir(args) -> tuple[str, int]:
+class LoadDir(NamedTuple):
+    """Where a resume reads: the checkpoint folder, its iteration, and whether it is an
+    upstream release checkpoint (loaded as `--finetune` is: weights only, from iteration 0)."""
+
+    path: str
+    iteration: int
+    release: bool = False
+
+
+def _release_dir(load: str) -> LoadDir:
     """A `release` tracker: upstream's release checkpoint in `{load}/release/`, loaded as upstream
-    does (weights only, the iteration count from 0: `args.finetune`'s rule), if it is a
+    does (weights only, the iteration count from 0: `--finetune`'s rule), if it is a
     torch_dist checkpoint."""
-    path = os.path.join(args.load, RELEASE)
-    said = f"--load {args.load}: {TRACKER} says '{RELEASE}' (an upstream release checkpoint)"
+    path = os.path.join(load, RELEASE)
+    said = f"--load {load}: {TRACKER} says '{RELEASE}' (an upstream release checkpoint)"
     if not os.path.isdir(path):
         raise CheckpointError(f"{said} but {path} does not exist; point --load to the folder that holds it")
     if not is_complete(path):
-        legacy = legacy_refusal("--load", args.load, path)
+        legacy = legacy_refusal("--load", load, path)
         if legacy:
             raise CheckpointError(legacy)
         raise CheckpointError(f"{said} but {path} is not a complete torch_dist checkpoint (no metadata.json); point "
                               "--load to a complete checkpoint")
-    args.finetune = True
-    print_rank_0(f"  note: {args.load} holds a release checkpoint ({TRACKER} says '{RELEASE}'): loading its weights "
+    print_rank_0(f"  note: {load} holds a release checkpoint ({TRACKER} says '{RELEASE}'): loading its weights "
                  f"from {path}; training starts at iteration 0 without its optimizer or RNG state, as upstream "
                  "Megatron does")
-    return path, 0
+    return LoadDir(path, 0, release=True)
 
 
-def resolve_load_dir(args) -> tuple[str, int] | None:
-    """(directory, iteration) to resume from, None to start fresh; errors name the path."""
-    if _tracker_text(args.load) == RELEASE:
-        return _release_dir(args)
-    iteration = read_tracker(args.load)
+def resolve_load_dir(load: str | None, exit_on_missing: bool = False) -> LoadDir | None:
+    """Where to resume from (`--load`), None to start fresh; errors name the path.
+    `exit_on_missing`: --exit-on-missing-checkpoint (no tracker is an error, not a fresh start)."""
+    if _tracker_text(load) == RELEASE:
+        return _release_dir(load)
+    iteration = read_tracker(load)
     if iteration is None:
-        refusal = _without_tracker(args.load)
+        refusal = _without_tracker(load)
         if refusal:
             raise CheckpointError(refusal)
-        if args.exit_on_missing_checkpoint:
-            raise CheckpointError(f"--load {args.load}: no {TRACKER} found (and --exit-on-missing-checkpoint is set)")
-        staged = os.path.isfile(os.path.join(args.load, TRACKER + ".tmp"))
+        if exit_on_missing:
+            raise CheckpointError(f"--load {load}: no {TRACKER} found (and --exit-on-missing-checkpoint is set)")
+        staged = os.path.isfile(os.path.join(load, TRACKER + ".tmp"))
         why = (f"{TRACKER} missing: the first save was killed before its commit" if staged and
-               _complete_iterations(args.load) else f"{TRACKER} missing")
-        print_rank_0(f"WARNING: no checkpoint in {args.load} ({why}); starting from scratch")
+               _complete_iterations(load) else f"{TRACKER} missing")
+        print_rank_0(f"WARNING: no checkpoint in {load} ({why}); starting from scratch")
         return None
-    path = find_checkpoint(args.load, iteration)
+    path = find_checkpoint(load, iteration)
     if path is None:
-        legacy = legacy_refusal("--load", args.load, checkpoint_dir(args.load, iteration))
+        legacy = legacy_refusal("--load", load, checkpoint_dir(load, iteration))
         if legacy:
             raise CheckpointError(legacy)
-        raise CheckpointError(f"--load {args.load}: {TRACKER} names iteration {iteration} but "
-                              f"{checkpoint_dir(args.load, iteration)} is missing or incomplete")
+        raise CheckpointError(f"--load {load}: {TRACKER} names iteration {iteration} but "
+                              f"{checkpoint_dir(load, iteration)} is missing or incomplete")
     if path.endswith(ASIDE_SUFFIX):
         print_rank_0(f"  note: a re-save of iteration {iteration} was interrupted; loading its previous copy {path}")
-    return path, iteration
+    return LoadDir(path, iteration)
 
 
-def use_pretrained_checkpoint(args) -> None:
-    """Upstream's `--pretrained-checkpoint DIR`: while `--load` holds no checkpoint (or is not
-    given) the run starts from DIR's weights, as `--load DIR --finetune` (iteration 0, no
-    optimizer or RNG state); once `--load` holds one, it resumes from that, as upstream."""
-    pretrained = args.pretrained_checkpoint
-    if not pretrained or (args.load and _tracker_text(args.load) is not None):
-        return
-    if _tracker_text(pretrained) is None:
-        from megatron.training.flags.argument_errors import ArgumentError
-
-        raise ArgumentError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {TRACKER}); point it to "
-                            "the folder that holds the tracker file")
-    args.load, args.finetune = pretrained, True
+def holds_checkpoint(root: str | None) -> bool:
+    """Whether `root` has a tracker file (a checkpoint, or the trace of one, to resume from)."""
+    return bool(root) and _tracker_text(root) is not None

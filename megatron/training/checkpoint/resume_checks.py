@@ -53,21 +53,26 @@ def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_model_args(saved, args, path: str) -> None:
+def compared_flags(position_embedding_type: str | None) -> list[str]:
+    """The attributes of the flags a resume compares with the checkpoint's."""
+    pairs = list(MODEL_FLAGS) + ([LEARNED_POSITIONS] if position_embedding_type == "learned_absolute" else [])
+    return [name for name, _ in pairs]
+
+
+def check_model_args(saved, ours, path: str) -> None:
     """Raise CheckpointError naming the first model-shaping flag that differs from `saved`
-    (the checkpoint's arguments); a checkpoint without arguments is not checked."""
+    (the checkpoint's arguments); a checkpoint without arguments is not checked. `ours`:
+    this run's values of `compared_flags` ((name, value) pairs, `CheckpointConfig.model_flags`)."""
     if saved is None:
         return
-    pairs = list(MODEL_FLAGS)
-    if args.position_embedding_type == "learned_absolute":
-        pairs.append(LEARNED_POSITIONS)
-    for name, flag in pairs:
-        theirs, ours = getattr(saved, name, _MISSING), getattr(args, name, _MISSING)
-        if theirs is _MISSING or ours is _MISSING or theirs == ours:
+    flag_of = dict(MODEL_FLAGS + (LEARNED_POSITIONS,))
+    for name, value in ours:
+        theirs = getattr(saved, name, _MISSING)
+        if theirs is _MISSING or theirs == value:
             continue
-        raise CheckpointError(f"{path} holds another model: {flag} is {_show(ours)} here and {_show(theirs)} in the "
-                              "checkpoint; pass the value it was trained with (--use-checkpoint-args takes every "
-                              "model flag from the checkpoint)")
+        raise CheckpointError(f"{path} holds another model: {flag_of[name]} is {_show(value)} here and "
+                              f"{_show(theirs)} in the checkpoint; pass the value it was trained with "
+                              "(--use-checkpoint-args takes every model flag from the checkpoint)")
 
 
 # the scheduler's state keys, the flag(s) that set each, and a short name
@@ -127,11 +132,12 @@ class ScheduleChoice:
         s.step(increment=0)  # every group's lr and weight decay at the resumed step, from these values
 
 
-def reconcile_lr_schedule(args, scheduler, saved_state: dict, path: str) -> ScheduleChoice:
+def reconcile_lr_schedule(config, scheduler, saved_state: dict, path: str) -> ScheduleChoice:
     """Set `scheduler` up to load `saved_state` by upstream's rule (module docstring); call
-    before the optimizer loads. Raises CheckpointError where upstream would refuse."""
-    override = bool(args.override_opt_param_scheduler)
-    keep = bool(args.use_checkpoint_opt_param_scheduler)
+    before the optimizer loads. Raises CheckpointError where upstream would refuse.
+    `config`: the run's CheckpointConfig (its two schedule flags)."""
+    override = bool(config.override_scheduler)
+    keep = bool(config.use_checkpoint_scheduler)
     scheduler.override_opt_param_scheduler = override
     scheduler.use_checkpoint_opt_param_scheduler = keep
     diffs = _schedule_differences(scheduler.state_dict(), saved_state)

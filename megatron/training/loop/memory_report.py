@@ -33,22 +33,21 @@ def this_device() -> torch.device:
     return torch.device("cpu")
 
 
-def start_memory_report(args=None) -> PeakMemory:
+def start_memory_report(budget: tuple[int, str] | None = None) -> PeakMemory:
     """Call on every rank before the model/engine is built: the peak counts from here. A CPU
-    run under a budget returns freed memory to the OS from here on (`return_freed_memory`),
-    so the budget is held by what the tensors need, not by malloc's cache."""
+    run under a budget (`budget_bytes`) returns freed memory to the OS from here on
+    (`return_freed_memory`), so the budget is held by what the tensors need, not by malloc's cache."""
     device = this_device()
-    if device.type == "cpu" and args is not None and budget_bytes(args) is not None:
+    if device.type == "cpu" and budget is not None:
         return_freed_memory()
     return PeakMemory(device)
 
 
-def budget_bytes(args) -> tuple[int, str] | None:
-    """(bytes, how the line names it) from --dcp-device-memory or --dcp-device-memory-gb; None without."""
-    size = args.dcp_device_memory
+def budget_bytes(size: int | None, gb: float | None) -> tuple[int, str] | None:
+    """(bytes, how the line names it) from --dcp-device-memory (`size`) or
+    --dcp-device-memory-gb (`gb`); None without either."""
     if size is not None:
         return int(size), size_text(int(size))
-    gb = args.dcp_device_memory_gb
     if gb is not None:
         return int(gb * 2**30), f"--dcp-device-memory-gb {gb:g}"
     return None
@@ -74,8 +73,9 @@ def memory_line(peaks: list[int], what: str, budget: tuple[int, str] | None) -> 
     return f"{line} | budget {limit / MiB:.0f} MiB ({name}): {verdict}"
 
 
-def report_memory(args, peak: PeakMemory | None) -> str | None:
-    """Call on every rank after training: gathers the peaks; rank 0 prints and returns the line."""
+def report_memory(budget: tuple[int, str] | None, peak: PeakMemory | None) -> str | None:
+    """Call on every rank after training: gathers the peaks; rank 0 prints and returns the
+    line, with the verdict against `budget` (`budget_bytes`) when there is one."""
     if peak is None:
         return None
     mine = peak.peak_bytes()
@@ -86,7 +86,7 @@ def report_memory(args, peak: PeakMemory | None) -> str | None:
         peaks = [mine]
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    line = memory_line([int(p) for p in peaks], peak.what, budget_bytes(args))
+    line = memory_line([int(p) for p in peaks], peak.what, budget)
     print(line, flush=True)
     return line
 
