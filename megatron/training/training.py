@@ -23,8 +23,8 @@ from megatron.training.checkpoint import finite_weights
 from megatron.training.startup import preflight
 from megatron.training.loop.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.flags.records import checkpoint_config_for, loop_config_for, memory_budget_for
-from megatron.training.loop.batch_schedule import batch_size_of_iteration
+from megatron.training.flags.records import (batch_sizes_for, checkpoint_config_for, feature_options_for,
+                                             log_config_for, loop_config_for, memory_budget_for, packing_for)
 from megatron.training.initialize import (
     initialize_distributed,
     shutdown_distributed,
@@ -36,8 +36,8 @@ from megatron.training.loop.data_workers import WorkerBatches
 from megatron.training.errors import AgreedTrainingError, TrainingError
 from megatron.training.loop.log import TrainingLogger
 from megatron.training.loop.run import Outcome, run_training
-from megatron.training.loop.builders import (build_lr_scheduler, dtype_of, optimizer_config_from_args,  # noqa: F401
-                                        transformer_config_from_args)
+from megatron.training.flags.core_configs import (build_lr_scheduler, dtype_of, optimizer_config_from_args,  # noqa: F401
+                                                  transformer_config_from_args)
 from megatron.training.loop.memory_report import report_memory, start_memory_report
 from megatron.training.adaptive.training_adaptive import AdaptiveRun
 
@@ -306,8 +306,8 @@ def train_run(args, run) -> list:
     optimizer = run.build(peak_memory)
     scheduler = build_lr_scheduler(args, optimizer)
     iteration, consumed_samples = run.load(scheduler) if args.load else (0, 0)
-    logger = TrainingLogger(args)
-    features = LoopFeatures(args, adaptive=args.dcp)
+    logger = TrainingLogger(log_config_for(args))
+    features = LoopFeatures(feature_options_for(args))
     steps = run.steps(scheduler, consumed_samples, logger, features)
     history = run_training(loop_config_for(args), steps, iteration, features)
     run.finish()
@@ -464,17 +464,19 @@ class StaticSteps:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.cp_size = parallel_state.get_context_parallel_world_size()
-        self.collate = partial(collate_fixed_length, args=args)
+        self.collate = partial(collate_fixed_length, packing=packing_for(args))
+        self.batch_sizes = batch_sizes_for(args)
         self.workers = None  # --num-workers: started at the first iteration (its batch sizes follow from it)
         self.batches, self.losses, self.grad_norm = [], {}, None
         self.global_batch_size = args.global_batch_size  # this iteration's (a --step-batch-size-schedule's)
 
     def run(self, iteration: int) -> Outcome:
         args = self.args
-        self.global_batch_size = gbs = batch_size_of_iteration(args, iteration)  # a --step-batch-size-schedule's
+        self.global_batch_size = gbs = self.batch_sizes.of_iteration(iteration)  # a --step-batch-size-schedule's
         if args.num_workers and self.workers is None:
-            self.workers = WorkerBatches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size,
-                                         self.collate, first_iteration=iteration)
+            self.workers = WorkerBatches(self.train_ds, self.consumed_samples, args.micro_batch_size, self.batch_sizes,
+                                         args.num_workers, self.dp_rank, self.dp_size, self.collate,
+                                         first_iteration=iteration)
         self.batches = self.workers.next_global_batch(gbs) if self.workers else list(
             micro_batches(self.train_ds, self.consumed_samples, args, self.dp_rank, self.dp_size, self.collate, gbs))
         # this DP rank's documents (every CP rank holds them whole): their FLOPs, summed over

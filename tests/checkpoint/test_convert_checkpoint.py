@@ -74,6 +74,7 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     import pretrain_gpt_dcp as entry
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
+    from megatron.training.flags.records import packing_for
     from megatron.training.loop.batches import collate_fixed_length
     from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
     from megatron.training.checkpoint.checkpointing_adaptive import tensor_key
@@ -96,7 +97,7 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     canonical = {n: v for n, v in dist_checkpointing.load(request, path).items() if n in request}  # less common.pt
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
-    batches = list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, args=args)))
+    batches = list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, packing=packing_for(args))))
 
     def loss_of(model):
         total, tokens = 0.0, 0.0

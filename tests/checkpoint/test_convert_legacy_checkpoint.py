@@ -39,11 +39,12 @@ def _te_name(name: str) -> str:
 def _batches(args, entry):
     from functools import partial
 
+    from megatron.training.flags.records import packing_for
     from megatron.training.loop.batches import collate_fixed_length
     from megatron.training.training import micro_batches
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
-    return list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, args=args)))
+    return list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, packing=packing_for(args))))
 
 
 def _token_losses(model, batches, entry):

@@ -19,7 +19,8 @@ DOOR = ("megatron/training/flags/", "megatron/training/arguments.py", "megatron/
 # command-line tools: their own parsers, above the door
 TOOLS = ("dcp_ext/cli/", "dcp_ext/data/preprocess.py", "dcp_ext/data/preprocess_partitions.py",
          "dcp_ext/data/stats_report.py")
-CLEAN_ROOMS = ("megatron/training/checkpoint/", "megatron/training/checkpointing.py", "dcp_ext/runtime/",
+CLEAN_ROOMS = ("megatron/training/checkpoint/", "megatron/training/checkpointing.py", "megatron/training/loop/",
+               "dcp_ext/runtime/",
                "dcp_ext/planning/", "dcp_ext/kernels/", "dcp_ext/assign/")
 STILL_READING = {
     "dcp_ext/data/data_paths.py",
@@ -28,12 +29,6 @@ STILL_READING = {
     "megatron/training/adaptive/training_adaptive.py",
     "megatron/training/global_vars.py",
     "megatron/training/initialize.py",
-    "megatron/training/loop/batch_schedule.py",
-    "megatron/training/loop/batches.py",
-    "megatron/training/loop/builders.py",
-    "megatron/training/loop/data_workers.py",
-    "megatron/training/loop/log.py",
-    "megatron/training/loop/loop_features.py",
     "megatron/training/startup/job_agreement.py",
     "megatron/training/startup/os_errors.py",
     "megatron/training/startup/preflight.py",

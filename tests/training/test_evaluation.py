@@ -36,9 +36,9 @@ def flags_for(corpus: str, cache: str, *extra: str) -> list[str]:
 
 
 def test_the_block_is_upstreams(capsys):
-    from megatron.training.loop.log import TrainingLogger
+    from megatron.training.loop.log import LogConfig, TrainingLogger
 
-    logger = TrainingLogger(SimpleNamespace(tensorboard_dir=None, wandb_project=None, log_validation_ppl_to_tensorboard=False))
+    logger = TrainingLogger(LogConfig())
     logger.log_validation(7, 2.0)
     logger.log_validation(7, 2.0, "iteration 7 on test set")
     line = " validation loss at iteration 7 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 | "

@@ -12,10 +12,8 @@ from megatron.training.loop import log as log_module
 
 
 def logger(tmp_path, interval):
-    args = SimpleNamespace(loss_log=str(tmp_path / "loss.jsonl"), tensorboard_dir=None, wandb_project=None,
-                           train_iters=9, log_throughput=False, log_interval=interval, tensorboard_log_interval=1,
-                           log_timers_to_tensorboard=False)
-    return log_module.TrainingLogger(args), args
+    config = log_module.LogConfig(loss_log=str(tmp_path / "loss.jsonl"), train_iters=9, log_interval=interval)
+    return log_module.TrainingLogger(config), config
 
 
 def run(tmp_path, monkeypatch, losses, ok, interval):

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron.training.adaptive import startup_calibration
 from megatron.training.checkpoint import checkpointing_adaptive, finite_weights
-from megatron.training.loop.builders import transformer_config_from_args
+from megatron.training.flags.core_configs import transformer_config_from_args
+from megatron.training.flags.records import batch_sizes_for
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
 from megatron.training.loop.run import Outcome
@@ -319,6 +320,7 @@ class AdaptiveSteps:
 
         self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
         self.checkpointing = checkpointing  # a CheckpointConfig: what save() writes where
+        self.batch_sizes = batch_sizes_for(args)  # each iteration's global batch size (a schedule's)
         self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
         self.has_validation = valid_ds is not None
         self.test_ds, self.has_test = test_ds, test_ds is not None
@@ -344,16 +346,12 @@ class AdaptiveSteps:
     def _budget(self, args):
         """Tokens per global batch: --dcp-global-batch-tokens, or with --step-batch-size-schedule
         the size of the batch's iteration times --seq-length (a function of the batch's index)."""
-        from megatron.training.loop.batch_schedule import batch_size_of_iteration, from_args
-
-        if from_args(args) is None:
+        if self.batch_sizes.schedule is None:
             return args.dcp_global_batch_tokens
-        return lambda j: batch_size_of_iteration(args, self.first_iteration + j) * args.seq_length
+        return lambda j: self.batch_sizes.of_iteration(self.first_iteration + j) * args.seq_length
 
     def run(self, iteration: int) -> Outcome:
         from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
-        from megatron.training.loop.batch_schedule import batch_size_of_iteration, from_args
-
         args = self.args
         if self.first_iteration is None:
             self.first_iteration = iteration
@@ -383,8 +381,8 @@ class AdaptiveSteps:
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             # 1, or --global-batch-size under --train-samples; a batch-size schedule's samples of this iteration
-            self.scheduler.step(increment=args.lr_step_increment if from_args(args) is None
-                                else batch_size_of_iteration(args, iteration))
+            self.scheduler.step(increment=args.lr_step_increment if self.batch_sizes.schedule is None
+                                else self.batch_sizes.of_iteration(iteration))
         finite_weights.inject_nan_weights([self.engine.optimizer.master()], iteration + 1)  # a test hook
         if self.recalibration is not None:
             self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)

@@ -17,6 +17,7 @@ was applied (as upstream's consumed-samples counter).
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
@@ -116,12 +117,13 @@ class BatchSchedule:
                 lo = mid + 1
         return lo
 
-def from_args(args) -> BatchSchedule | None:
-    """The parsed schedule of --step-batch-size-schedule (args.batch_schedule), or None."""
-    return args.batch_schedule
+@dataclass(frozen=True)
+class GlobalBatchSizes:
+    """The global batch size of every iteration: --global-batch-size, or the schedule's
+    (read from the flags once: `flags.records.batch_sizes_for`)."""
 
+    size: int  # --global-batch-size (a schedule's final size)
+    schedule: BatchSchedule | None = None  # --step-batch-size-schedule, parsed
 
-def batch_size_of_iteration(args, k: int) -> int:
-    """The global batch size iteration k trains (--global-batch-size without a schedule)."""
-    schedule = from_args(args)
-    return schedule.size_of_iteration(k) if schedule is not None else args.global_batch_size
+    def of_iteration(self, k: int) -> int:
+        return self.schedule.size_of_iteration(k) if self.schedule is not None else self.size

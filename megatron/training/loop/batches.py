@@ -10,6 +10,7 @@ to a multiple of 2*cp and this rank keeps its load-balanced chunks.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -55,7 +56,16 @@ def document_lengths(tokens: torch.Tensor, eod: Optional[int]) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def collate_fixed_length(samples: list[dict], args) -> dict:
+@dataclass(frozen=True)
+class Packing:
+    """How the static path packs its fixed-length samples (`flags.records.packing_for`)."""
+
+    reset_attention_mask: bool = False  # --reset-attention-mask: each document attends to itself (THD)
+    eod: int | None = None  # the tokenizer's end-of-document id
+    sequence_parallel: bool = False  # the pack divides by TP x CP
+
+
+def collate_fixed_length(samples: list[dict], packing: "Packing") -> dict:
     """Stack samples into this rank's micro-batch (its CP share), with the documents' lengths."""
     from megatron.core import parallel_state
 
@@ -68,15 +78,14 @@ def collate_fixed_length(samples: list[dict], args) -> dict:
         rows["position_ids"] = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples])
     else:
         rows["position_ids"] = torch.arange(rows["tokens"].shape[1]).expand_as(rows["tokens"]).clone()
-    if not args.reset_attention_mask:
+    if not packing.reset_attention_mask:
         seq = rows["tokens"].shape[1]
         index = cp_token_indices([seq], cp_size, cp_rank)
         batch = {k: v[:, index] for k, v in rows.items()}
         batch["packed_seq_params"] = None
         batch["doc_lengths"] = [seq] * len(samples)
         return batch
-    return pack_documents(rows, getattr(args, "eod_token", None), cp_size, cp_rank,
-                          tp if args.sequence_parallel else 1)
+    return pack_documents(rows, packing.eod, cp_size, cp_rank, tp if packing.sequence_parallel else 1)
 
 
 def pack_documents(rows: dict, eod: Optional[int], cp_size: int, cp_rank: int, sp_multiple: int) -> dict:

@@ -18,9 +18,9 @@ class _MegatronOrder:
     (the order of `training.micro_batches`); global batches of `sizes` (an iterator of the
     global batch sizes from there: --global-batch-size, or a batch-size schedule's)."""
 
-    def __init__(self, dataset_len: int, consumed: int, args, dp_rank: int, dp_size: int, sizes):
+    def __init__(self, dataset_len: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, sizes):
         self.n, self.consumed = dataset_len, consumed
-        self.mbs, self.sizes = args.micro_batch_size, sizes
+        self.mbs, self.sizes = micro_batch_size, sizes
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def __iter__(self):
@@ -38,19 +38,19 @@ def _as_list(samples):
 
 
 class WorkerBatches:
-    """`next_global_batch()`: this rank's micro-batches of the next global batch."""
+    """`next_global_batch()`: this rank's micro-batches of the next global batch.
+    `batch_sizes`: a `batch_schedule.GlobalBatchSizes`; `num_workers`: --num-workers."""
 
-    def __init__(self, dataset, consumed: int, args, dp_rank: int, dp_size: int, collate, first_iteration: int = 0):
+    def __init__(self, dataset, consumed: int, micro_batch_size: int, batch_sizes, num_workers: int, dp_rank: int,
+                 dp_size: int, collate, first_iteration: int = 0):
         import itertools
 
-        from megatron.training.loop.batch_schedule import batch_size_of_iteration
-
         self.collate = collate
-        self.step = args.micro_batch_size * dp_size
-        sizes = (batch_size_of_iteration(args, k) for k in itertools.count(first_iteration))
+        self.step = micro_batch_size * dp_size
+        sizes = (batch_sizes.of_iteration(k) for k in itertools.count(first_iteration))
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=_MegatronOrder(len(dataset), consumed, args, dp_rank, dp_size, sizes),
-            num_workers=args.num_workers, collate_fn=_as_list, persistent_workers=True)
+            dataset, batch_sampler=_MegatronOrder(len(dataset), consumed, micro_batch_size, dp_rank, dp_size, sizes),
+            num_workers=num_workers, collate_fn=_as_list, persistent_workers=True)
         self.loader = loader
         self.it = iter(loader)
 

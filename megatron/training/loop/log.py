@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from datetime import datetime
 
 import torch.distributed as dist
@@ -19,9 +20,26 @@ from dcp_ext.planning.flops import training_flops
 from megatron.training.initialize import print_rank_last
 
 
+@dataclass(frozen=True)
+class LogConfig:
+    """What the log writes and where, read from the flags once (`flags.records.log_config_for`)."""
+
+    train_iters: int = 0  # the line's "iteration N/train_iters"
+    log_interval: int = 100  # --log-interval
+    loss_log: str | None = None  # --loss-log: one JSON line per iteration
+    tensorboard_dir: str | None = None
+    tensorboard_queue_size: int = 1000
+    tensorboard_log_interval: int = 1
+    log_timers_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_throughput: bool = False
+    wandb: bool = False  # --wandb-project given (LoopFeatures opens the run)
+    model_shape: tuple[tuple[str, object], ...] = ()  # the model's dimensions, as training_flops takes them
+
+
 class TrainingLogger:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, config: LogConfig):
+        self.config = config
         self.window_time = 0.0
         self.window_iters = 0
         self.window_flops = 0.0
@@ -33,31 +51,21 @@ class TrainingLogger:
         self.consumed_samples = 0
         self.last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
         self.wandb = None
-        if args.wandb_project and self.last_rank:
+        if config.wandb and self.last_rank:
             import wandb  # validate_args checked it imports; LoopFeatures opened the run
 
             self.wandb = wandb
-        if args.tensorboard_dir and self.last_rank:
+        if config.tensorboard_dir and self.last_rank:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+                self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
             except ImportError:
                 print_rank_last("warning: --tensorboard-dir given but tensorboard is not installed (pip install tensorboard)")
 
     def model_shape(self) -> dict:
         """The model's dimensions, as dcp_ext.planning.flops.training_flops takes them."""
-        a = self.args
-        return dict(
-            num_layers=a.num_layers,
-            hidden=a.hidden_size,
-            ffn_hidden=a.ffn_hidden_size,
-            num_heads=a.num_attention_heads,
-            num_query_groups=a.num_query_groups,
-            kv_channels=a.kv_channels,
-            vocab_size=getattr(a, "padded_vocab_size", None) or a.vocab_size or 0,
-            swiglu=a.swiglu,
-        )
+        return dict(self.config.model_shape)
 
     def flops(self, doc_lengths) -> float:
         """Training FLOPs of these documents under this run's model."""
@@ -84,22 +92,22 @@ class TrainingLogger:
         self.window_flops += iteration_flops
         lr, decoupled_lr = _learning_rates(scheduler, optimizer)
         loss_scale = optimizer.get_loss_scale().item() if hasattr(optimizer, "get_loss_scale") else 1.0
-        if self.args.loss_log and self.last_rank:
+        if self.config.loss_log and self.last_rank:
             record = {"iteration": iteration, "lm loss": loss, "grad norm": grad_norm, "lr": lr,
                       "consumed samples": consumed_samples, "skipped": not update_successful,
                       "loss scale": loss_scale, **({"decoupled lr": decoupled_lr} if decoupled_lr is not None else {}),
                       **(record or {})}
-            with open(self.args.loss_log, "a") as f:
+            with open(self.config.loss_log, "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.consumed_samples = consumed_samples
-        if (self.writer is not None or self.wandb is not None) and iteration % self.args.tensorboard_log_interval == 0:
+        if (self.writer is not None or self.wandb is not None) and iteration % self.config.tensorboard_log_interval == 0:
             scalars = {"learning-rate": lr, "batch-size": global_batch_size, **losses, "loss-scale": loss_scale}
             if grad_norm is not None:
                 scalars["grad-norm"] = grad_norm
             self._scalars(scalars, iteration, consumed_samples)
-            if self.args.log_timers_to_tensorboard and self.writer is not None:
+            if self.config.log_timers_to_tensorboard and self.writer is not None:
                 self.writer.add_scalar("iteration-time", elapsed_s, iteration)
-        if iteration % self.args.log_interval != 0:
+        if iteration % self.config.log_interval != 0:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
         ms = 1000.0 * self.window_time / self.window_iters
@@ -108,10 +116,10 @@ class TrainingLogger:
         tflops = self.window_flops / max(self.window_time, 1e-12) / world / 1e12
         line = (
             f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-            f" iteration {iteration:8d}/{self.args.train_iters:8d} |"
+            f" iteration {iteration:8d}/{self.config.train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {ms:.1f} |"
-            + (f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |" if self.args.log_throughput else "")
+            + (f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f} |" if self.config.log_throughput else "")
             + f" learning rate: {lr:.6E} |"
             + (f" decoupled learning rate: {decoupled_lr:.6E} |" if decoupled_lr is not None else "")
             + f" global batch size: {global_batch_size:5d} |"
@@ -139,7 +147,7 @@ class TrainingLogger:
         print_rank_last("-" * (len(line) + 1))
         if scalars and (self.writer is not None or self.wandb is not None):
             values = {"lm loss validation": loss}
-            if self.args.log_validation_ppl_to_tensorboard:
+            if self.config.log_validation_ppl_to_tensorboard:
                 values["lm loss validation ppl"] = ppl
             self._scalars(values, iteration, self.consumed_samples)
 

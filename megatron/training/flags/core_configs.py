@@ -1,10 +1,10 @@
 """Megatron's config objects from the flags: the model's TransformerConfig, the optimizer's
-config and the LR schedule.
+config and the LR schedule (part of the flags' door).
 
 Why it exists: both ways to train (megatron-core's static layout in `training.py`, the
 adaptive runtime in `adaptive/training_adaptive.py`) build the same model, optimizer settings
-and schedule from the same flags; one module both import, so neither hands the other
-builders as callbacks.
+and schedule from the same flags. megatron-core owns these records; the flags become them
+here, once, and nothing below reads the flags again.
 """
 from __future__ import annotations
 
