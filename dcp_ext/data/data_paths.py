@@ -106,17 +106,6 @@ def resolve(data_path, data_args_path, train, valid, test, per_split_args_path):
     return None, per_split
 
 
-def resolve_args(args) -> None:
-    """Apply `resolve` to parsed arguments: `args.data_path` becomes the blend (read from
-    --data-args-path when given), `args.per_split_data_path` the three per-split blends or None."""
-    blend, per_split = resolve(args.data_path, getattr(args, "data_args_path", None),
-                               getattr(args, "train_data_path", None), getattr(args, "valid_data_path", None),
-                               getattr(args, "test_data_path", None), getattr(args, "per_split_data_args_path", None))
-    args.data_path, args.per_split_data_path = blend, per_split
-    if per_split is not None or getattr(args, "data_args_path", None) is not None:
-        args.demo_corpus = False  # given data wins over the demo's, as --data-path does
-
-
 def default_cache_dirs(prefixes) -> list[str]:
     """Where megatron-core caches a GPTDataset's indices without --data-cache-path, as upstream:
     `<prefix>/cache/GPTDataset_indices`, next to the data."""

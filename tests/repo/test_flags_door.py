@@ -16,16 +16,15 @@ import os
 from tests.repo.test_structure import ROOT, source_files
 
 DOOR = ("megatron/training/flags/", "megatron/training/arguments.py", "megatron/training/adaptive/run_config.py")
-# command-line tools: their own parsers, above the door
+# command-line tools: their own parsers, above the door (`adaptive/profiling`: dcp-profile's entry,
+# which parses Megatron's flags for the profiler)
 TOOLS = ("dcp_ext/cli/", "dcp_ext/data/preprocess.py", "dcp_ext/data/preprocess_partitions.py",
-         "dcp_ext/data/stats_report.py")
-CLEAN_ROOMS = ("megatron/training/checkpoint/", "megatron/training/checkpointing.py", "megatron/training/loop/",
-               "dcp_ext/runtime/",
-               "dcp_ext/planning/", "dcp_ext/kernels/", "dcp_ext/assign/")
+         "dcp_ext/data/stats_report.py", "megatron/training/adaptive/profiling.py")
+# below the door and clean: all of dcp_ext (planning, runtime, data, kernels) but its tools, the
+# checkpoints of both kinds, the loop
+CLEAN_ROOMS = ("dcp_ext/", "megatron/training/checkpoint/", "megatron/training/checkpointing.py",
+               "megatron/training/loop/")
 STILL_READING = {
-    "dcp_ext/data/data_paths.py",
-    "megatron/training/adaptive/profiling.py",
-    "megatron/training/adaptive/startup_calibration.py",
     "megatron/training/adaptive/training_adaptive.py",
     "megatron/training/global_vars.py",
     "megatron/training/initialize.py",

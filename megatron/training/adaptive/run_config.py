@@ -112,6 +112,7 @@ class PlannerConfig:
     static_layout: tuple[int, int, int]  # (tp, cp, pp) of the launch line: the static baseline's layout
     candidates: int  # --dcp-candidates: the pool's size
     rechoose_pool: bool  # --dcp-recalibration on
+    calibrate_at_start: bool  # --dcp-calibrate-at-start on: measure the probe layouts before training
     layer_strategies: bool  # --dcp-layer-strategies on
     uneven_stages: bool  # --dcp-uneven-stages on
     cost_profile: str | None  # --dcp-cost-profile
@@ -125,6 +126,7 @@ class PlannerConfig:
                    static_layout=(args.tensor_model_parallel_size, args.context_parallel_size,
                                   args.pipeline_model_parallel_size),
                    candidates=args.dcp_candidates, rechoose_pool=args.dcp_recalibration == "on",
+                   calibrate_at_start=args.dcp_calibrate_at_start == "on",
                    layer_strategies=args.dcp_layer_strategies == "on", uneven_stages=args.dcp_uneven_stages == "on",
                    cost_profile=args.dcp_cost_profile, memory_margin=args.dcp_memory_margin, seed=args.seed)
 

@@ -32,10 +32,11 @@ class ProbeBatch:
     lengths: list
 
 
-def wanted(args, planner, consumed_samples: int) -> bool:
+def wanted(config, planner, consumed_samples: int) -> bool:
     """Whether this run measures its layouts before training: a fresh adaptive run that
-    recalibrates online (a resumed one has its measurements in the checkpoint)."""
-    return (args.dcp_calibrate_at_start == "on" and args.dcp_recalibration == "on" and consumed_samples == 0
+    recalibrates online (a resumed one has its measurements in the checkpoint). `config`:
+    the run's PlannerConfig."""
+    return (config.calibrate_at_start and config.rechoose_pool and consumed_samples == 0
             and hasattr(planner, "probe_layouts"))
 
 

@@ -281,7 +281,7 @@ class AdaptiveRun:
 
     def steps(self, scheduler, consumed_samples: int, logger, features) -> "AdaptiveSteps":
         self.engine.time_phases(lambda name: features.timer(name, level=2))  # --timing-log-level 2: the step's phases
-        if startup_calibration.wanted(self.args, self.planner, consumed_samples):
+        if startup_calibration.wanted(self.config.planner, self.planner, consumed_samples):
             from dcp_ext.data.batches import GlobalBatchStream
 
             first = GlobalBatchStream(self.train_ds, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len).peek(1)

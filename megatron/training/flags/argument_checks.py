@@ -75,15 +75,26 @@ def data_paths_given(args: argparse.Namespace) -> bool:
         "data_args_path", "train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path"))
 
 
+def resolve_data_paths(args) -> None:
+    """The data flags in their one form (`dcp_ext.data.data_paths.resolve`): `args.data_path`
+    becomes the blend (read from --data-args-path when given), `args.per_split_data_path` the
+    three per-split blends or None."""
+    from dcp_ext.data.data_paths import resolve
+
+    blend, per_split = resolve(args.data_path, args.data_args_path, args.train_data_path, args.valid_data_path,
+                               args.test_data_path, args.per_split_data_args_path)
+    args.data_path, args.per_split_data_path = blend, per_split
+    if per_split is not None or args.data_args_path is not None:
+        args.demo_corpus = False  # given data wins over the demo's, as --data-path does
+
+
 def check_files(args: argparse.Namespace) -> None:
     """Input files whose syntax is known before anything starts: the blend, the split, the profile."""
     from dcp_ext.data.documents import parse_blend, split_bookends
     from dcp_ext.data.errors import DataError
 
-    from dcp_ext.data.data_paths import resolve_args
-
     try:
-        resolve_args(args)  # --data-args-path, --train/valid/test-data-path, --per-split-data-args-path
+        resolve_data_paths(args)  # --data-args-path, --train/valid/test-data-path, --per-split-data-args-path
         if args.data_path:
             parse_blend(args.data_path)
         split_bookends(args.split)
