@@ -98,16 +98,16 @@ def _restart_safe_store(timeout) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-def initialize_model_parallel(args) -> None:
+def initialize_model_parallel(tp: int, pp: int, cp: int, timeout_minutes: int) -> None:
+    """megatron-core's model-parallel groups for the static layout (TP, PP, CP), every group
+    waiting at most --distributed-timeout-minutes."""
     from megatron.core import parallel_state
 
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     with groups_created_with_timeout(timeout):
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,  # megatron-core's default is 30
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            distributed_timeout_minutes=timeout_minutes,  # megatron-core's default is 30
         )
 
 

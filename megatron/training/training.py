@@ -24,7 +24,8 @@ from megatron.training.startup import preflight
 from megatron.training.loop.loop_features import LoopFeatures
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.flags.records import (batch_sizes_for, checkpoint_config_for, feature_options_for,
-                                             log_config_for, loop_config_for, memory_budget_for, packing_for)
+                                             log_config_for, loop_config_for, memory_budget_for, model_parallel_for,
+                                             output_paths_for, packing_for)
 from megatron.training.initialize import (
     initialize_distributed,
     shutdown_distributed,
@@ -238,7 +239,9 @@ def _report_os_error_or_raise(e: BaseException, args=None) -> None:
     """A failure of the operating system (full disk, read-only path) is one line; anything else propagates."""
     from megatron.training.startup.os_errors import explain_failure
 
-    line = explain_failure(e, args) if not isinstance(e, (SystemExit, KeyboardInterrupt)) else None
+    if isinstance(e, (SystemExit, KeyboardInterrupt)):
+        raise e
+    line = explain_failure(e, output_paths_for(args) if args is not None else ())
     if line is None:
         raise e
     _report_error_and_exit(line)
@@ -276,7 +279,7 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
     from megatron.training.flags.upstream_flags import announce
 
     announce(args, print_rank_0)  # the upstream flags accepted without effect, once, on rank 0
-    preflight.check_output_paths(args)  # both paths (static, --dcp): every output writable, before any work
+    preflight.check_output_paths(output_paths_for(args))  # both paths (static, --dcp): every output writable, before any work
     from megatron.training.checkpoint import lock as checkpoint_lock
 
     checkpoint_lock.acquire(args.save)  # one job per --save: rank 0 takes its lock, or every rank stops here
@@ -325,7 +328,7 @@ class StaticRun:
         self.model_provider, self.forward_step_func = model_provider, forward_step_func
 
     def seed(self) -> None:
-        initialize_model_parallel(self.args)
+        initialize_model_parallel(**model_parallel_for(self.args))
         set_random_seed(self.args.seed)
 
     def data(self) -> None:

@@ -56,9 +56,10 @@ def _args(kind: str, root: str):
 def _static(args):
     import pretrain_gpt_dcp
     from megatron.training.initialize import initialize_model_parallel, set_random_seed
+    from megatron.training.flags.records import model_parallel_for
     from megatron.training.training import build_lr_scheduler, build_model_and_optimizer
 
-    initialize_model_parallel(args)
+    initialize_model_parallel(**model_parallel_for(args))
     set_random_seed(args.seed)
     model, optimizer, _ = build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
     return model, optimizer, build_lr_scheduler(args, optimizer)

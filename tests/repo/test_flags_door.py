@@ -27,10 +27,7 @@ CLEAN_ROOMS = ("dcp_ext/", "megatron/training/checkpoint/", "megatron/training/c
 STILL_READING = {
     "megatron/training/adaptive/training_adaptive.py",
     "megatron/training/global_vars.py",
-    "megatron/training/initialize.py",
     "megatron/training/startup/job_agreement.py",
-    "megatron/training/startup/os_errors.py",
-    "megatron/training/startup/preflight.py",
     "megatron/training/training.py",
 }
 

@@ -140,6 +140,7 @@ def _static_vs_runtime_worker(rank, world):
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel
+    from megatron.training.flags.records import model_parallel_for
     from tests.support.runtime_helpers import RUNTIME_MODEL, VOCAB, engine_step, make_engine, plan_for, random_docs
 
     docs = random_docs(8, seed=21)
@@ -157,7 +158,7 @@ def _static_vs_runtime_worker(rank, world):
     from megatron.core import parallel_state
 
     parallel_state._GLOBAL_MEMORY_BUFFER = None  # the engine made one; the static path makes its own
-    initialize_model_parallel(args)
+    initialize_model_parallel(**model_parallel_for(args))
     model, optimizer, config = training.build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
     scheduler = training.build_lr_scheduler(args, optimizer)
     gpt = unwrap(model)

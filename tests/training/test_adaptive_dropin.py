@@ -158,6 +158,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel
+    from megatron.training.flags.records import model_parallel_for
     from tests.support.runtime_helpers import RUNTIME_MODEL, VOCAB, engine_step, make_engine, plan_for, random_docs
 
     sched = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", "--min-lr", "1e-4"]
@@ -185,7 +186,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     sargs.padded_vocab_size = VOCAB
     global_vars.set_args(sargs)
     parallel_state._GLOBAL_MEMORY_BUFFER = None
-    initialize_model_parallel(sargs)
+    initialize_model_parallel(**model_parallel_for(sargs))
     model, optimizer, config = training.build_model_and_optimizer(sargs, pretrain_gpt_dcp.model_provider)
     if decoupled:  # megatron-core's own decoupled LR (the flag's static-path wiring is the TRAIN helper's)
         cfg = training.optimizer_config_from_args(sargs)

@@ -160,6 +160,7 @@ def _build_and_step(rank, world, configs):
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel, set_random_seed
+    from megatron.training.flags.records import model_parallel_for
 
     name = lambda dt: str(dt).replace("torch.", "")
     reports = {}
@@ -170,7 +171,7 @@ def _build_and_step(rank, world, configs):
         global_vars.set_args(args)
         global_vars.build_tokenizer(args)
         if i == 0:
-            initialize_model_parallel(args)
+            initialize_model_parallel(**model_parallel_for(args))
         set_random_seed(args.seed)
         model, optimizer, config = training.build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
         scheduler = training.build_lr_scheduler(args, optimizer)

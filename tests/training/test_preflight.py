@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from megatron.training.flags.records import output_paths_for
 from megatron.training.startup import preflight
 
 
@@ -18,7 +19,7 @@ def test_good_paths_pass_and_nothing_is_created(tmp_path):
                               tensorboard_dir=str(tmp_path / "tb"), dcp_log_plan="/dev/null",
                               data_cache_path=str(tmp_path / "cache"), dcp=False, demo_corpus=False)
     before = listing(tmp_path)
-    assert preflight.check_paths(args)[1] is None
+    assert preflight.check_paths(output_paths_for(args))[1] is None
     assert listing(tmp_path) == before  # no directory made, no probe left
     assert (tmp_path / "log.jsonl").read_text() == "old line\n"  # an existing log is never written
 
@@ -46,7 +47,7 @@ def test_os_errors_are_said_as_such():
 def test_which_rank_checks_what():
     args = argparse.Namespace(save="s", loss_log="l", tensorboard_dir="t", dcp_log_plan="p", data_cache_path="c",
                               dcp=True, demo_corpus=False)
-    flags = {r: [f for f, _, _ in preflight.paths_to_check(args, r, 4)] for r in range(4)}
+    flags = {r: [f for f, _, _ in preflight.paths_to_check(output_paths_for(args), r, 4)] for r in range(4)}
     assert flags[0] == ["--save", "--dcp-log-plan"]  # --dcp reads documents directly: no sample cache
     assert flags[1] == flags[2] == ["--save"]
     assert flags[3] == ["--save", "--loss-log", "--tensorboard-dir"]  # the last rank logs
@@ -57,7 +58,7 @@ def _two_ranks(rank, world_size, root):
                               tensorboard_dir=None, dcp_log_plan=None, data_cache_path=None, dcp=False,
                               demo_corpus=False)
     try:
-        preflight.check_output_paths(args)
+        preflight.check_output_paths(output_paths_for(args))
     except preflight.OutputPathError as e:
         return str(e)
     return None

@@ -111,10 +111,10 @@ def test_os_errors_are_said_as_such(tmp_path):
     assert explain_os_error(RuntimeError("shape mismatch")) is None
     assert explain_os_error(ValueError("bad")) is None
 
-    class Args:
-        save, data_cache_path, loss_log, tensorboard_dir, dcp_log_plan = str(tmp_path), None, None, None, None
+    from megatron.training.startup.preflight import OutputPath
 
-    assert explain_failure(RuntimeError("unexpected pos 704 vs 598"), Args) is None  # this disk is not full
+    outputs = (OutputPath("--save", str(tmp_path), "dir"),)
+    assert explain_failure(RuntimeError("unexpected pos 704 vs 598"), outputs) is None  # this disk is not full
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")

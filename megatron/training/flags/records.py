@@ -18,6 +18,7 @@ from megatron.training.loop.log import LogConfig
 from megatron.training.loop.loop_features import FeatureOptions, WandbOptions
 from megatron.training.loop.memory_report import budget_bytes
 from megatron.training.loop.run import LoopConfig
+from megatron.training.startup.preflight import OutputPath
 
 
 def checkpoint_config_for(args) -> CheckpointConfig:
@@ -94,3 +95,21 @@ def packing_for(args) -> Packing:
     """How the static path's micro-batches are packed (`loop.batches`); after the tokenizer."""
     return Packing(reset_attention_mask=bool(args.reset_attention_mask), eod=getattr(args, "eod_token", None),
                    sequence_parallel=bool(args.sequence_parallel))
+
+
+def output_paths_for(args) -> tuple[OutputPath, ...]:
+    """Every path the run writes, with the ranks that write it (`startup.preflight`)."""
+    wanted = [OutputPath("--save", args.save, "dir"),  # every rank writes its shards
+              OutputPath("--loss-log", args.loss_log, "file", writers="last"),  # the last rank logs
+              OutputPath("--tensorboard-dir", args.tensorboard_dir, "dir", writers="last"),
+              OutputPath("--dcp-log-plan", args.dcp_log_plan, "file", writers="first")]
+    # the static data path caches its sample index there; --dcp only for the demo corpus
+    if not args.dcp or args.demo_corpus:
+        wanted.append(OutputPath("--data-cache-path", args.data_cache_path, "cache"))
+    return tuple(p for p in wanted if p.path)
+
+
+def model_parallel_for(args) -> dict:
+    """megatron-core's static layout and group timeout (`initialize.initialize_model_parallel`)."""
+    return dict(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                cp=args.context_parallel_size, timeout_minutes=args.distributed_timeout_minutes)

@@ -111,17 +111,12 @@ def full_disk_among(paths) -> Optional[tuple[str, str, int]]:
 FULL_BELOW_BYTES = 1 << 20  # less free than this, and a write failed: the disk is the cause
 
 
-def output_paths(args) -> list[tuple[str, str]]:
-    return [(flag, getattr(args, dest, None)) for flag, dest in (
-        ("--save", "save"), ("--data-cache-path", "data_cache_path"), ("--loss-log", "loss_log"),
-        ("--tensorboard-dir", "tensorboard_dir"), ("--dcp-log-plan", "dcp_log_plan"))]
-
-
-def explain_failure(e: BaseException, args=None) -> Optional[str]:
+def explain_failure(e: BaseException, paths=()) -> Optional[str]:
     """explain_os_error, naming the full output disk when the error does not say which file;
     and for a failure that hides its cause (torch's zip writer says "unexpected pos" when a
-    write came up short) while an output disk is full: that disk."""
-    full = full_disk_among(output_paths(args)) if args is not None else None
+    write came up short) while an output disk is full: that disk. `paths`: the run's outputs
+    (preflight.OutputPath: flag, path)."""
+    full = full_disk_among([(p.flag, p.path) for p in paths]) if paths else None
     where = None if full is None else f"{full[0]} {full[1]} ({full[2] // 1024} KiB free)"
     line = explain_os_error(e, where)
     if line is not None or full is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+from dataclasses import dataclass
 
 from dcp_ext.cli.boundary import existing_ancestor, write_probe
 from megatron.training.flags.argument_errors import ArgumentError
@@ -30,24 +31,26 @@ class OutputPathError(ArgumentError):
     """A path the run would write cannot be written; the message names flag, path, problem, fix."""
 
 
-def paths_to_check(args, rank: int, world_size: int) -> list[tuple[str, str, str]]:
-    """(flag, path, kind) this rank will write; kind: 'dir' (made if missing), 'file'
-    (appended to; its folder must exist), 'cache' (a dir that may be a read-only prebuilt cache)."""
-    out = []
-    if args.save:
-        out.append(("--save", args.save, "dir"))
-    last = rank == world_size - 1
-    if args.loss_log and last:
-        out.append(("--loss-log", args.loss_log, "file"))
-    if args.tensorboard_dir and last:
-        out.append(("--tensorboard-dir", args.tensorboard_dir, "dir"))
-    if args.dcp_log_plan and rank == 0:
-        out.append(("--dcp-log-plan", args.dcp_log_plan, "file"))
-    # the static data path caches its sample index there; --dcp only for the demo corpus
-    cached = not args.dcp or args.demo_corpus
-    if args.data_cache_path and cached:
-        out.append(("--data-cache-path", args.data_cache_path, "cache"))
-    return out
+@dataclass(frozen=True)
+class OutputPath:
+    """One path the run writes: the flag that names it, the path, its kind ('dir': made if
+    missing; 'file': appended to, its folder must exist; 'cache': a dir that may be a
+    read-only prebuilt cache) and the ranks that write it ('every', 'first', 'last').
+    The door builds them (`flags.records.output_paths_for`)."""
+
+    flag: str
+    path: str
+    kind: str
+    writers: str = "every"
+
+    def written_by(self, rank: int, world_size: int) -> bool:
+        return (self.writers == "every" or (self.writers == "first" and rank == 0)
+                or (self.writers == "last" and rank == world_size - 1))
+
+
+def paths_to_check(paths, rank: int, world_size: int) -> list[tuple[str, str, str]]:
+    """(flag, path, kind) of the `paths` (OutputPath) this rank will write."""
+    return [(p.flag, p.path, p.kind) for p in paths if p.written_by(rank, world_size)]
 
 
 def os_problem_line(e: OSError, flag: str, what: str) -> tuple[str, str]:
@@ -107,11 +110,11 @@ def check_file(flag: str, path: str) -> str | None:
     return f"{flag} {path}: {problem} (cannot create files in {folder}): {fix}"
 
 
-def check_paths(args, rank: int = 0, world_size: int = 1) -> tuple[str | None, str | None, list[str]]:
-    """(flag, line) of the first problem among the paths this rank writes ((None, None) if
-    all are fine), and the flags it checked."""
+def check_paths(paths, rank: int = 0, world_size: int = 1) -> tuple[str | None, str | None, list[str]]:
+    """(flag, line) of the first problem among the `paths` (OutputPath) this rank writes
+    ((None, None) if all are fine), and the flags it checked."""
     checked = []
-    for flag, path, kind in paths_to_check(args, rank, world_size):
+    for flag, path, kind in paths_to_check(paths, rank, world_size):
         checked.append(flag)
         problem = check_file(flag, path) if kind == "file" else check_dir(flag, path, cache=kind == "cache")
         if problem:
@@ -119,14 +122,14 @@ def check_paths(args, rank: int = 0, world_size: int = 1) -> tuple[str | None, s
     return None, None, checked
 
 
-def check_output_paths(args) -> None:
+def check_output_paths(paths) -> None:
     """Collective when torch.distributed is up: every rank checks its paths, then all agree.
     Raises OutputPathError (the same line on every rank) if any path fails anywhere."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    flag, problem, checked = check_paths(args, rank, world)
+    flag, problem, checked = check_paths(paths, rank, world)
     if distributed and world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, (flag, problem, checked, socket.gethostname()))
