@@ -229,7 +229,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> list[dict]:
     from dcp_ext.planning.layout import ReplicaType
     from dcp_ext.runtime.stages.groups import GroupRegistry
     from megatron.core import parallel_state
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     LiveBytes = _tracker_class()
     args = megatron_args(world, cfg["groups"], cfg["cpu_attention"])

@@ -198,8 +198,8 @@ def main(argv=None) -> int:
         recorder.count_explicit_syncs(torch)
 
     import pretrain_gpt_dcp
-    from megatron.training import training
     from megatron.training.adaptive import training_adaptive
+    from megatron.training.static import training_static
 
     cpu_init = bool(opts.static_cpu_init and on_gpu and "--dcp" not in flags)
     report = {"device": "cuda" if on_gpu else "cpu", "sync_counting": can_count, "sync_debug_mode": "warn",
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
 
         cls.run = run
 
-    wrap(training.StaticSteps, "static")
+    wrap(training_static.StaticSteps, "static")
     wrap(training_adaptive.AdaptiveSteps, "dcp")
     code = 0
     try:

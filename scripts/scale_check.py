@@ -180,7 +180,7 @@ def build_engine(args, planner):
     from dcp_ext.runtime.engine import AdaptiveEngine
     from megatron.training import global_vars
     from megatron.training.adaptive.run_config import AdaptiveRunConfig
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     types = planner.replica_types()
     global_vars.set_args(args)  # args.padded_vocab_size: set before planning, as training does

@@ -210,7 +210,7 @@ def write_static(save: str, tensors: dict, args: argparse.Namespace, source: dic
 
     from megatron.training.checkpoint import protocol as ckpt
     from megatron.training import global_vars
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

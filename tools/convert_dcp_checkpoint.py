@@ -246,7 +246,7 @@ def convert_on_this_rank(path: str, iteration: int, common: dict, args) -> None:
     from megatron.training.checkpoint import protocol as ckpt
     from megatron.training import global_vars
     from megatron.training.checkpoint.checkpointing_adaptive import ShapesOnly, local_name, tensor_key
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
     rank, tp, pp = dist.get_rank(), args.tensor_model_parallel_size, args.pipeline_model_parallel_size

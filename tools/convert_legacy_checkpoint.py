@@ -349,7 +349,7 @@ def build_model(args):
     from megatron.core import parallel_state
 
     from megatron.training import global_vars
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
     from pretrain_gpt_dcp import model_provider
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

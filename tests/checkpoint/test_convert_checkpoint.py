@@ -79,7 +79,8 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
     from megatron.training.checkpoint.checkpointing_adaptive import tensor_key
     from megatron.training.initialize import set_random_seed
-    from megatron.training.training import micro_batches, transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
+    from megatron.training.static.training_static import micro_batches
 
     args = parse_args(flags, world_size=1)
     global_vars.set_args(args)
@@ -97,7 +98,8 @@ def _reference(rank, world, flags, dcp_dir, export_dirs):
     canonical = {n: v for n, v in dist_checkpointing.load(request, path).items() if n in request}  # less common.pt
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
-    batches = list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, packing=packing_for(args))))
+    batches = list(micro_batches(train_ds, 0, args.micro_batch_size, 0, 1,
+                                 partial(collate_fixed_length, packing=packing_for(args)), args.global_batch_size))
 
     def loss_of(model):
         total, tokens = 0.0, 0.0

@@ -41,10 +41,11 @@ def _batches(args, entry):
 
     from megatron.training.flags.records import packing_for
     from megatron.training.loop.batches import collate_fixed_length
-    from megatron.training.training import micro_batches
+    from megatron.training.static.training_static import micro_batches
 
     train_ds, _, _ = entry.train_valid_test_datasets_provider(args)
-    return list(micro_batches(train_ds, 0, args, 0, 1, partial(collate_fixed_length, packing=packing_for(args))))
+    return list(micro_batches(train_ds, 0, args.micro_batch_size, 0, 1,
+                              partial(collate_fixed_length, packing=packing_for(args)), args.global_batch_size))
 
 
 def _token_losses(model, batches, entry):
@@ -84,7 +85,7 @@ def _write_legacy(rank, world, flags, root, tp, pp, te_names):
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     args, entry = _setup(flags, world, tp, pp)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
@@ -138,7 +139,7 @@ def _converted(rank, world, flags, converted, reference):
     from megatron.core import dist_checkpointing
 
     from megatron.training.checkpoint.protocol import checkpoint_dir, read_tracker
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     args, entry = _setup(flags, world, 1, 1)
     model = entry.model_provider(transformer_config_from_args(args))

@@ -57,11 +57,13 @@ def _static(args):
     import pretrain_gpt_dcp
     from megatron.training.initialize import initialize_model_parallel, set_random_seed
     from megatron.training.flags.records import model_parallel_for
-    from megatron.training.training import build_lr_scheduler, build_model_and_optimizer
+    from megatron.training.flags.core_configs import build_lr_scheduler
+    from megatron.training.flags.records import static_options_for
+    from megatron.training.static.training_static import build_model_and_optimizer
 
     initialize_model_parallel(**model_parallel_for(args))
     set_random_seed(args.seed)
-    model, optimizer, _ = build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
+    model, optimizer, _ = build_model_and_optimizer(static_options_for(args), pretrain_gpt_dcp.model_provider)
     return model, optimizer, build_lr_scheduler(args, optimizer)
 
 
@@ -72,7 +74,7 @@ def _engine(args):
     from dcp_ext.runtime.options import EngineOptions
     from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
     from megatron.training.initialize import set_random_seed_without_parallel_state
-    from megatron.training.training import build_lr_scheduler, transformer_config_from_args
+    from megatron.training.flags.core_configs import build_lr_scheduler, transformer_config_from_args
 
     set_random_seed_without_parallel_state(args.seed)
     engine = AdaptiveEngine(

@@ -136,7 +136,10 @@ def _static_vs_runtime_worker(rank, world):
 
     import pretrain_gpt_dcp
     from dcp_ext.data.thd import build_micro_batch
-    from megatron.training import global_vars, training
+    from megatron.training import global_vars
+    from megatron.training.flags import core_configs
+    from megatron.training.flags.records import static_options_for
+    from megatron.training.static import training_static
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel
@@ -159,8 +162,9 @@ def _static_vs_runtime_worker(rank, world):
 
     parallel_state._GLOBAL_MEMORY_BUFFER = None  # the engine made one; the static path makes its own
     initialize_model_parallel(**model_parallel_for(args))
-    model, optimizer, config = training.build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
-    scheduler = training.build_lr_scheduler(args, optimizer)
+    model, optimizer, config = training_static.build_model_and_optimizer(static_options_for(args),
+                                                                         pretrain_gpt_dcp.model_provider)
+    scheduler = core_configs.build_lr_scheduler(args, optimizer)
     gpt = unwrap(model)
     space = engine.space
     with torch.no_grad():
@@ -171,8 +175,9 @@ def _static_vs_runtime_worker(rank, world):
     b = build_micro_batch(docs)
     batch = {"tokens": b.tokens[None], "labels": b.labels[None], "loss_mask": b.loss_mask[None],
              "position_ids": b.position_ids[None], "packed_seq_params": b.packed_seq_params()}
-    losses, ok, norm = training.train_step(args, model, optimizer, scheduler, config, pretrain_gpt_dcp.forward_step,
-                                           iter([batch]), 1, int(b.tokens.numel()))
+    losses, ok, norm = training_static.train_step(model, optimizer, scheduler, config, pretrain_gpt_dcp.forward_step,
+                                                  iter([batch]), 1, int(b.tokens.numel()), args.micro_batch_size,
+                                                  lr_increment=args.lr_step_increment)
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     masters = {}
     for o in opts:

@@ -39,10 +39,10 @@ def _counting(log):
 dist.new_group = _recorded("new_group", dist.new_group)
 dist.new_subgroups = _recorded("new_subgroups", dist.new_subgroups)
 sys.path.insert(0, REPO)
-from megatron.training import training  # noqa: E402
+from megatron.training.static import training_static  # noqa: E402
 from megatron.training.adaptive import training_adaptive
 
 training_adaptive.AdaptiveSteps.log = _counting(training_adaptive.AdaptiveSteps.log)
-training.StaticSteps.log = _counting(training.StaticSteps.log)
+training_static.StaticSteps.log = _counting(training_static.StaticSteps.log)
 sys.argv[0] = os.path.join(REPO, "pretrain_gpt_dcp.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

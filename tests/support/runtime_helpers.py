@@ -33,7 +33,7 @@ def tiny_args(world_size: int):
 
 def make_builders(args):
     from dcp_ext.runtime.stages.model import build_gpt_model
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     def make_config(tp, cp, pp, sp):
         return transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,

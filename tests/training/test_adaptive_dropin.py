@@ -153,7 +153,10 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     import pretrain_gpt_dcp
     from dcp_ext.data.thd import build_micro_batch
     from dcp_ext.planning.layout import ReplicaType
-    from megatron.training import global_vars, training
+    from megatron.training import global_vars
+    from megatron.training.flags import core_configs
+    from megatron.training.flags.records import static_options_for
+    from megatron.training.static import training_static
     from megatron.training.adaptive import run_config
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
@@ -169,7 +172,7 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     docs = random_docs(8, seed=21)
     layout = [([0], 1, 1, 1, 1)]
     engine = make_engine(args, [ReplicaType(1, 1, 1, (0,))], optimizer_options=run_config.optimizer_options_for(args))
-    scheduler = training.build_lr_scheduler(args, engine.optimizer)
+    scheduler = core_configs.build_lr_scheduler(args, engine.optimizer)
     init = engine.gather_canonical()
     runtime = []
     for i in range(STEPS):
@@ -187,13 +190,14 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
     global_vars.set_args(sargs)
     parallel_state._GLOBAL_MEMORY_BUFFER = None
     initialize_model_parallel(**model_parallel_for(sargs))
-    model, optimizer, config = training.build_model_and_optimizer(sargs, pretrain_gpt_dcp.model_provider)
+    model, optimizer, config = training_static.build_model_and_optimizer(static_options_for(sargs),
+                                                                         pretrain_gpt_dcp.model_provider)
     if decoupled:  # megatron-core's own decoupled LR (the flag's static-path wiring is the TRAIN helper's)
-        cfg = training.optimizer_config_from_args(sargs)
+        cfg = core_configs.optimizer_config_from_args(sargs)
         cfg.decoupled_lr, cfg.decoupled_min_lr = decoupled
         optimizer = get_megatron_optimizer(cfg, [model])
         config.grad_scale_func = optimizer.scale_loss
-    sched_static = training.build_lr_scheduler(sargs, optimizer)
+    sched_static = core_configs.build_lr_scheduler(sargs, optimizer)
     gpt = unwrap(model)
     with torch.no_grad():
         for name, p in gpt.named_parameters():
@@ -204,8 +208,10 @@ def _static_vs_dcp_optimizer_worker(rank, world, extra, decoupled):
              "position_ids": b.position_ids[None], "packed_seq_params": b.packed_seq_params()}
     static = []
     for i in range(STEPS):
-        losses, ok, norm = training.train_step(sargs, model, optimizer, sched_static, config,
-                                               pretrain_gpt_dcp.forward_step, iter([batch]), 1, int(b.tokens.numel()))
+        losses, ok, norm = training_static.train_step(model, optimizer, sched_static, config,
+                                                      pretrain_gpt_dcp.forward_step, iter([batch]), 1,
+                                                      int(b.tokens.numel()), sargs.micro_batch_size,
+                                                      lr_increment=sargs.lr_step_increment)
         static.append((losses["lm loss"], norm))
     after_static = torch.empty_like(init)
     for name, p in gpt.named_parameters():

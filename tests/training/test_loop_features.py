@@ -44,7 +44,7 @@ def expected_lr(samples, *, lr, min_lr, warmup, decay):
 def test_lr_follows_samples(warmup_flags, warmup):
     import torch
 
-    from megatron.training.training import build_lr_scheduler
+    from megatron.training.flags.core_configs import build_lr_scheduler
 
     args = parse(SAMPLE_MODEL + ["--mock-data", "--global-batch-size", "8", "--train-samples", "203",
                                  "--lr-decay-samples", "160"] + warmup_flags)

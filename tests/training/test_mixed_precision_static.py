@@ -156,7 +156,10 @@ def _build_and_step(rank, world, configs):
 
     import pretrain_gpt_dcp
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
-    from megatron.training import global_vars, training
+    from megatron.training import global_vars
+    from megatron.training.flags import core_configs
+    from megatron.training.flags.records import static_options_for
+    from megatron.training.static import training_static
     from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import unwrap
     from megatron.training.initialize import initialize_model_parallel, set_random_seed
@@ -173,8 +176,9 @@ def _build_and_step(rank, world, configs):
         if i == 0:
             initialize_model_parallel(**model_parallel_for(args))
         set_random_seed(args.seed)
-        model, optimizer, config = training.build_model_and_optimizer(args, pretrain_gpt_dcp.model_provider)
-        scheduler = training.build_lr_scheduler(args, optimizer)
+        model, optimizer, config = training_static.build_model_and_optimizer(static_options_for(args),
+                                                                             pretrain_gpt_dcp.model_provider)
+        scheduler = core_configs.build_lr_scheduler(args, optimizer)
         gpt = unwrap(model)
         seen = {}
 
@@ -193,9 +197,10 @@ def _build_and_step(rank, world, configs):
         masters = [p for o in opts for grp in o.optimizer.param_groups for p in grp["params"]]
         before = [p.detach().clone() for p in gpt.parameters()]
         masters_before = [p.detach().clone() for p in masters]
-        losses, ok, grad_norm = training.train_step(args, model, optimizer, scheduler, config,
-                                                    pretrain_gpt_dcp.forward_step, iter([batch]),
-                                                    args.num_microbatches, args.seq_length)
+        losses, ok, grad_norm = training_static.train_step(model, optimizer, scheduler, config,
+                                                           pretrain_gpt_dcp.forward_step, iter([batch]),
+                                                           args.num_microbatches, args.seq_length, args.micro_batch_size,
+                                                           lr_increment=args.lr_step_increment)
         model_ptrs = {p.data_ptr() for p in gpt.parameters()}
         synced = []
         for o in opts:  # Float16OptimizerWithFloat16Params: model params are their masters, rounded
@@ -305,7 +310,7 @@ ARGS = TINY_MODEL + ["--mock-data", "--train-iters", "3"]
 
 def test_loss_scale_flags_have_upstream_defaults_and_reach_the_optimizer_config():
     from megatron.training.arguments import parse_args
-    from megatron.training.training import optimizer_config_from_args
+    from megatron.training.flags.core_configs import optimizer_config_from_args
 
     a = parse_args(ARGS + ["--fp16"], world_size=1)
     assert (a.loss_scale, a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) == \

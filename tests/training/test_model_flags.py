@@ -38,7 +38,7 @@ def _config(extra, machine=None, world_size=1, **overrides):
     from types import SimpleNamespace
 
     from megatron.training.flags.model_flags import config_fields
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     args = _args(extra, world_size)
     if machine is None:
@@ -115,7 +115,7 @@ def _model_worker(rank, world, extra):
     from megatron.core import parallel_state
 
     from dcp_ext.runtime.stages.model import build_gpt_model
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     parallel_state.initialize_model_parallel(1, 1)
     args = _args(extra)
@@ -184,7 +184,7 @@ def _llama_step_worker(rank, world):
     from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
     from dcp_ext.planning.layout import ReplicaType
     from megatron.training.arguments import parse_args
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
     from tests.support.runtime_helpers import RUNTIME_MODEL, engine_step, loss_tokens, plan_for, random_docs
 
     flags = RUNTIME_MODEL + ["--kv-channels", "16", "--rotary-percent", "0.5", "--qk-layernorm",

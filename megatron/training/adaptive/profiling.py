@@ -41,7 +41,7 @@ def megatron_args(argv: Sequence[str], world_size: int):
 
 
 def transformer_config(args, **overrides):
-    from megatron.training.training import transformer_config_from_args
+    from megatron.training.flags.core_configs import transformer_config_from_args
 
     return transformer_config_from_args(args, **overrides)
 

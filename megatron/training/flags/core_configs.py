@@ -93,6 +93,19 @@ def optimizer_config_from_args(args):
     )
 
 
+def ddp_config_from_args(args):
+    """megatron-core DDP's settings for the static layout (fp32 main grads, overlaps, buckets)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+    )
+
+
 def build_lr_scheduler(args, optimizer):
     """Megatron's OptimizerParamScheduler, stepped once per iteration by `args.lr_step_increment`
     (1, or the global batch's samples under --train-samples: the schedule then counts samples)."""

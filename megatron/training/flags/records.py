@@ -12,6 +12,8 @@ import os
 from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.checkpoint.protocol import plain_values
 from megatron.training.checkpoint.resume_checks import compared_flags
+from megatron.training.flags.core_configs import (ddp_config_from_args, optimizer_config_from_args,
+                                                  transformer_config_from_args)
 from megatron.training.loop.batch_schedule import GlobalBatchSizes
 from megatron.training.loop.batches import Packing
 from megatron.training.loop.log import LogConfig
@@ -19,6 +21,7 @@ from megatron.training.loop.loop_features import FeatureOptions, WandbOptions
 from megatron.training.loop.memory_report import budget_bytes
 from megatron.training.loop.run import LoopConfig
 from megatron.training.startup.preflight import OutputPath
+from megatron.training.static.training_static import StaticOptions
 
 
 def checkpoint_config_for(args) -> CheckpointConfig:
@@ -113,3 +116,14 @@ def model_parallel_for(args) -> dict:
     """megatron-core's static layout and group timeout (`initialize.initialize_model_parallel`)."""
     return dict(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                 cp=args.context_parallel_size, timeout_minutes=args.distributed_timeout_minutes)
+
+
+def static_options_for(args) -> StaticOptions:
+    """The static layout's step kind (`static.training_static`); after the tokenizer."""
+    return StaticOptions(
+        **model_parallel_for(args), seed=args.seed, half=bool(args.fp16 or args.bf16),
+        micro_batch_size=args.micro_batch_size, batch_sizes=batch_sizes_for(args), seq_length=args.seq_length,
+        lr_schedule_in_samples=bool(args.lr_schedule_in_samples), eval_iters=args.eval_iters,
+        eval_microbatches=args.num_microbatches, num_workers=args.num_workers or 0, packing=packing_for(args),
+        checkpoint=checkpoint_config_for(args), model_config=transformer_config_from_args(args),
+        ddp_config=ddp_config_from_args(args), optimizer_config=optimizer_config_from_args(args))

@@ -1,7 +1,7 @@
 """--num-workers on the static path: samples read by DataLoader worker processes.
 
 Why a module of its own: with --num-workers 0 the static loop reads its micro-batches in
-the main process (`training.micro_batches`); with N > 0 the same samples, in the same
+the main process (`static.training_static.micro_batches`); with N > 0 the same samples, in the same
 (Megatron) order, come from N workers that read ahead, and are collated in the main
 process, where the token-id check of every micro-batch runs. A data error in a worker
 is re-raised here as the one-line DataError it was.
@@ -15,7 +15,7 @@ import torch
 
 class _MegatronOrder:
     """Index lists of one micro-batch each, for one DP rank, from `consumed_samples` on
-    (the order of `training.micro_batches`); global batches of `sizes` (an iterator of the
+    (the order of `static.training_static.micro_batches`); global batches of `sizes` (an iterator of the
     global batch sizes from there: --global-batch-size, or a batch-size schedule's)."""
 
     def __init__(self, dataset_len: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int, sizes):

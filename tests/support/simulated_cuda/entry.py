@@ -82,10 +82,10 @@ def _observe_build() -> None:
 
 
 def main() -> None:
-    from megatron.training import training
     from megatron.training.adaptive import training_adaptive
+    from megatron.training.static import training_static
 
-    _observe_steps(training.StaticSteps)
+    _observe_steps(training_static.StaticSteps)
     _observe_steps(training_adaptive.AdaptiveSteps)
     _observe_build()
     import pretrain_gpt_dcp

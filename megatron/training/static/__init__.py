@@ -1,0 +1,1 @@
+"""The static layout's step kind (`training_static`)."""
