@@ -340,7 +340,7 @@ def plan_dcp_static(s: Setting, data: Data, kernel: str, args) -> list[Candidate
     from dcp_ext.planning.specs import ClusterSpec
     from megatron.training.arguments import ArgumentError, memory_size
     from megatron.training.adaptive.run_config import AdaptiveRunConfig
-    from megatron.training.adaptive.training_adaptive import vocab_padding_for
+    from megatron.training.adaptive.run_config import vocab_padding_for
 
     budget = memory_size(s.budget)
     prefix = data.flags[data.flags.index("--data-path") + 1]

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
     from megatron.training.adaptive.run_config import AdaptiveRunConfig
-    from megatron.training.adaptive.training_adaptive import cluster_for, vocab_padding_for
+    from megatron.training.adaptive.run_config import cluster_for, vocab_padding_for
     from megatron.training.flags.core_configs import transformer_config_from_args
 
     args = parse_args(argv + ["--dcp", "--dcp-global-batch-tokens", str(2 * max(TOKENS))], world_size=1)

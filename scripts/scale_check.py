@@ -264,7 +264,7 @@ def check_model(name: str, cluster: str, rank: int | None, iterations: int, max_
     args.model_name = name
     # a Llama-2 tokenizer: 32000 ids (NullTokenizer's EOD would add one), padded as training
     # pads it before planning: for every tp the planner may choose on this cluster
-    from megatron.training.adaptive.training_adaptive import vocab_padding_for
+    from megatron.training.adaptive.run_config import vocab_padding_for
 
     args.tokenizer_vocab = SHAPES[name][5]
     args.padded_vocab_size = vocab_padding_for(args, args.tokenizer_vocab, ClusterSpec.from_preset(cluster))

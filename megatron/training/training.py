@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from megatron.training import checkpointing, global_vars
+from megatron.training.adaptive import run_config
 from megatron.training.adaptive.training_adaptive import AdaptiveRun
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.errors import AgreedTrainingError, TrainingError
@@ -196,7 +197,10 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
     if args.dcp:
         if document_datasets_provider is None:
             raise ArgumentError("--dcp needs a document_datasets_provider (one document per sample)")
-        run = AdaptiveRun(args, document_datasets_provider, model_provider, forward_step_func)
+        cluster = run_config.cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data
+        run = AdaptiveRun(args.seed, cluster, lambda: document_datasets_provider(args),
+                          lambda: run_config.configure(args, cluster, global_vars.get_tokenizer().vocab_size),
+                          model_provider, forward_step_func)
     else:
         run = StaticRun(static_options_for(args), lambda: datasets_provider(args), model_provider, forward_step_func)
     return train_run(args, run)

@@ -29,7 +29,6 @@ TOOLS = ("dcp_ext/cli/", "dcp_ext/data/preprocess.py", "dcp_ext/data/preprocess_
 CLEAN_ROOMS = ("dcp_ext/", "megatron/training/checkpoint/", "megatron/training/checkpointing.py",
                "megatron/training/loop/")
 STILL_READING = {
-    "megatron/training/adaptive/training_adaptive.py",
     "megatron/training/global_vars.py",
     "megatron/training/startup/job_agreement.py",
 }

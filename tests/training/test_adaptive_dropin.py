@@ -76,13 +76,14 @@ def test_batch_tokens_default_to_global_batch_times_seq_length():
 
 def test_planner_pool_holds_the_static_layout_and_follows_dcp_candidates():
     from megatron.training.adaptive import training_adaptive
+    from megatron.training.adaptive import run_config
     from megatron.training.adaptive.run_config import AdaptiveRunConfig
     from dcp_ext.data.mock_documents import MockDocumentDataset
 
     def planner(extra, world=8):
         args = _parse(["--dcp", "--global-batch-size", "64", "--vocab-size", "255"] + extra, world)
         args.padded_vocab_size = 256
-        cluster = training_adaptive.cluster_for(world, args)
+        cluster = run_config.cluster_for(world, args)
         ds = MockDocumentDataset(128, 256, 255, args.seed, num_documents=4000)
         config = AdaptiveRunConfig.from_args(args, on_cpu=True, device="meta")
         return config.planner, training_adaptive.build_planner(config.planner, ds.lengths, cluster, config.model)

@@ -6,7 +6,6 @@ once more ('iteration N on validation set' / 'on test set'); --eval-interval def
 The runs train at --lr 0: the weights never move, so an evaluation's loss tells its batches.
 """
 import re
-from types import SimpleNamespace
 
 import pytest
 
@@ -77,11 +76,14 @@ def test_static_evaluations_walk_on_then_validation_and_test_at_the_end(text_cor
 @pytest.mark.dist
 def test_dcp_evaluations_walk_on_and_wrap_then_validation_and_test_at_the_end(text_corpus, tmp_path):
     from dcp_ext.data.documents import build_document_datasets
-    from megatron.training.adaptive.training_adaptive import SplitBatches
+    from megatron.training.adaptive.training_adaptive import SplitBatches, StepOptions
+    from megatron.training.loop.batch_schedule import GlobalBatchSizes
 
     tokens, max_len = 1024, 128
     _, valid_ds, _ = build_document_datasets([text_corpus], "60,30,10", seed=1234, max_seq_len=max_len)
-    walk = SplitBatches(SimpleNamespace(dcp_global_batch_tokens=tokens, dcp_max_seq_len=max_len), valid_ds)
+    options = StepOptions(global_batch_tokens=tokens, max_seq_len=max_len, seq_length=max_len,
+                          batch_sizes=GlobalBatchSizes(1), train_iters=1, lr_step_increment=1)
+    walk = SplitBatches(options, valid_ds)
     first = [walk.next().sample_ids for _ in range(8)]
     n = next(k for k in range(1, 7) if first[k] == first[0])  # the validation split's batches
     assert n >= 2 and first[n + 1] == first[1]

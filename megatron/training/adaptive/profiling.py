@@ -47,7 +47,7 @@ def transformer_config(args, **overrides):
 
 
 def cluster_for(num_gpus: int, args):
-    from megatron.training.adaptive.training_adaptive import cluster_for as dcp_cluster
+    from megatron.training.adaptive.run_config import cluster_for as dcp_cluster
 
     return dcp_cluster(num_gpus, args)
 

@@ -10,15 +10,22 @@ writes the flags after this point.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
 
 from dcp_ext.planning.layout import bucket_numel_for
 from dcp_ext.planning.specs import ModelSpec
 from dcp_ext.runtime.options import EngineOptions
 from dcp_ext.runtime.params.sharded_optimizer import OptimizerOptions
+from megatron.training.adaptive.training_adaptive import LossScaling, StepOptions
 from megatron.training.checkpoint.config import CheckpointConfig
-from megatron.training.flags.records import checkpoint_config_for
+from megatron.training.flags.core_configs import transformer_config_from_args
+from megatron.training.flags.records import batch_sizes_for, checkpoint_config_for
 from megatron.training.flags.model_flags import Machine, config_fields, uses_transformer_engine
 
 OVERLAP_OFF_ON_CPU = ("note: --overlap-param-gather/--overlap-grad-reduce are off for --dcp on CPU ranks: gloo's "
@@ -145,12 +152,39 @@ class PlannerConfig:
         return {}
 
 
+def step_options_for(args) -> StepOptions:
+    """What the iterations need (`training_adaptive.AdaptiveSteps`); after the tokenizer."""
+    return StepOptions(global_batch_tokens=args.dcp_global_batch_tokens, max_seq_len=args.dcp_max_seq_len,
+                       seq_length=args.seq_length, batch_sizes=batch_sizes_for(args), train_iters=args.train_iters,
+                       lr_step_increment=args.lr_step_increment, eval_iters=args.eval_iters,
+                       eval_interval=args.eval_interval, split=args.split, eod_mask_loss=bool(args.eod_mask_loss),
+                       eod=getattr(args, "eod_token", None), fp16=bool(args.fp16), log_interval=args.log_interval,
+                       log_plan=args.dcp_log_plan)
+
+
+def loss_scaling_for(args) -> LossScaling | None:
+    """--fp16's loss scaler settings; None without --fp16."""
+    if not args.fp16:
+        return None
+    return LossScaling(loss_scale=args.loss_scale, initial=args.initial_loss_scale, minimum=args.min_loss_scale,
+                       window=args.loss_scale_window, hysteresis=args.hysteresis)
+
+
+def layer_config_for(args, tp: int, cp: int, pp: int, sp: bool):
+    """megatron-core's TransformerConfig of one replica layout (the engine builds one per type)."""
+    return transformer_config_from_args(args, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                        pipeline_model_parallel_size=pp, sequence_parallel=sp)
+
+
 @dataclass(frozen=True)
 class AdaptiveRunConfig:
     engine: EngineOptions
     model: ModelSpec  # the planner's and the cost model's view of the model the engine builds
     planner: PlannerConfig
     checkpoint: CheckpointConfig  # what saving and loading need (built after the vocabulary is padded)
+    steps: StepOptions  # what the iterations need
+    layer_config: Callable  # (tp, cp, pp, sp) -> megatron-core's TransformerConfig of that layout
+    loss_scaling: LossScaling | None = None  # --fp16's loss scaler
     overlap_note: str | None = None  # said once at start when the overlap flags are set aside
 
     @classmethod
@@ -167,4 +201,77 @@ class AdaptiveRunConfig:
             exchange=args.dcp_exchange, overlap=overlap, bucket_numel=bucket,
             grad_reduce_in_bf16=bool(args.grad_reduce_in_bf16 and args.bf16), init_seed=args.seed,
             init_std=args.init_method_std, layer_strategies=args.dcp_layer_strategies == "on", device=device)
-        return cls(engine, spec, PlannerConfig.from_args(args), checkpoint_config_for(args), note)
+        return cls(engine, spec, PlannerConfig.from_args(args), checkpoint_config_for(args), step_options_for(args),
+                   partial(layer_config_for, args), loss_scaling_for(args), note)
+
+
+def configure(args, cluster, vocab_size: int) -> AdaptiveRunConfig:
+    """The `--dcp` run's records once its data is read: the vocabulary padded for every
+    layout the planner could choose on `cluster` (`vocab_padding_for`; `vocab_size`: the
+    tokenizer's), then every record from the flags."""
+    from dcp_ext.runtime.options import default_device
+
+    args.padded_vocab_size = vocab_padding_for(args, vocab_size, cluster)
+    return AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
+
+
+def cluster_for(world_size: int, args):
+    """The cluster this job runs on: on a GPU, its memory from torch's device properties and
+    its peak from the table of known kinds (dcp_ext/planning/gpu_table.py) or --dcp-device-tflops /
+    --dcp-device-memory(-gb); an unknown GPU without them is one error line, never the CPU
+    preset. Without CUDA, this CPU (the flags override its numbers too; --dcp-device-memory
+    there is a budget for tensors alone)."""
+    from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
+    from dcp_ext.planning.specs import GiB, ClusterSpec
+
+    tflops, memory_gb, budget = args.dcp_device_tflops, args.dcp_device_memory_gb, args.dcp_device_memory
+    if budget is not None:
+        memory_gb = budget / GiB
+    if not torch.cuda.is_available():
+        spec = ClusterSpec.cpu_gloo(world_size)
+        if tflops is not None:
+            spec = spec.with_(peak_flops=tflops * 1e12)
+        if budget is not None:
+            # a budget for tensors: the process's code and libraries (host memory on a GPU
+            # machine, the preset's reserve here) are not in it
+            spec = spec.with_(memory_bytes=float(budget), reserved_bytes=0.0)
+        elif memory_gb is not None:
+            spec = spec.with_(memory_bytes=memory_gb * GiB)
+        return spec
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        gpu = gpu_kind_for_device(props.name, props.total_memory, tflops=tflops, memory_gb=memory_gb)
+    except UnknownDevice as e:
+        from megatron.training.arguments import ArgumentError
+
+        raise ArgumentError(str(e)) from None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    return ClusterSpec(name=f"{gpu.name}x{world_size}", num_gpus=world_size,
+                       gpus_per_node=max(1, min(per_node, world_size)), gpu=gpu)
+
+
+# Tensor-parallel sizes a planner may use on any machine of up to this many devices per
+# node; the vocabulary is padded for all of them (see vocab_padding_for).
+TP_CEILING = 8
+
+
+def vocab_padding_for(args, vocab_size: int, cluster) -> int:
+    """One padded vocabulary for every layout the planner could choose, on this world size
+    or any other: a multiple of divisible_by x lcm(every power-of-two tp up to TP_CEILING that
+    divides the heads and the query groups, and every tp of this cluster's pool). It depends
+    on the model and the flags alone (on nodes of up to TP_CEILING devices), so a checkpoint
+    saved on W ranks resumes on any W' whatever the vocabulary; and it is fixed before
+    planning, so the planner's cost model and the runtime see the same model."""
+    from dcp_ext.planning.cost_model import CostModel
+    from dcp_ext.data.tokenizers import padded_vocab_size
+
+    spec = model_spec_for(args, vocab_size=vocab_size)
+    lcm_tp = 1
+    tp = 1
+    while tp <= TP_CEILING:
+        if spec.valid_tp(tp):
+            lcm_tp = math.lcm(lcm_tp, tp)
+        tp *= 2
+    for layout in CostModel(spec, cluster).all_layouts():
+        lcm_tp = math.lcm(lcm_tp, layout.tp)
+    return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, lcm_tp)

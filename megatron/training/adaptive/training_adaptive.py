@@ -10,114 +10,81 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from megatron.training.adaptive import startup_calibration
 from megatron.training.checkpoint import checkpointing_adaptive, finite_weights
-from megatron.training.flags.core_configs import transformer_config_from_args
-from megatron.training.flags.records import batch_sizes_for
+from megatron.training.checkpoint.config import CheckpointConfig
 from megatron.training.errors import TrainingError
 from megatron.training.initialize import print_rank_0, set_random_seed_without_parallel_state
+from megatron.training.loop.batch_schedule import GlobalBatchSizes
 from megatron.training.loop.run import Outcome
 from megatron.training.adaptive.online_calibration import OnlineCalibration
-from megatron.training.adaptive.run_config import AdaptiveRunConfig
 from dcp_ext.planning.planners.explain import layout_label, layout_summary
 
 
-def cluster_for(world_size: int, args):
-    """The cluster this job runs on: on a GPU, its memory from torch's device properties and
-    its peak from the table of known kinds (dcp_ext/planning/gpu_table.py) or --dcp-device-tflops /
-    --dcp-device-memory(-gb); an unknown GPU without them is one error line, never the CPU
-    preset. Without CUDA, this CPU (the flags override its numbers too; --dcp-device-memory
-    there is a budget for tensors alone)."""
-    from dcp_ext.planning.gpu_table import UnknownDevice, gpu_kind_for_device
-    from dcp_ext.planning.specs import GiB, ClusterSpec
+@dataclass(frozen=True)
+class StepOptions:
+    """What the `--dcp` iterations need of the flags, read once (`run_config.AdaptiveRunConfig`)."""
 
-    tflops, memory_gb, budget = args.dcp_device_tflops, args.dcp_device_memory_gb, args.dcp_device_memory
-    if budget is not None:
-        memory_gb = budget / GiB
-    if not torch.cuda.is_available():
-        spec = ClusterSpec.cpu_gloo(world_size)
-        if tflops is not None:
-            spec = spec.with_(peak_flops=tflops * 1e12)
-        if budget is not None:
-            # a budget for tensors: the process's code and libraries (host memory on a GPU
-            # machine, the preset's reserve here) are not in it
-            spec = spec.with_(memory_bytes=float(budget), reserved_bytes=0.0)
-        elif memory_gb is not None:
-            spec = spec.with_(memory_bytes=memory_gb * GiB)
-        return spec
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    try:
-        gpu = gpu_kind_for_device(props.name, props.total_memory, tflops=tflops, memory_gb=memory_gb)
-    except UnknownDevice as e:
-        from megatron.training.arguments import ArgumentError
-
-        raise ArgumentError(str(e)) from None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    return ClusterSpec(name=f"{gpu.name}x{world_size}", num_gpus=world_size,
-                       gpus_per_node=max(1, min(per_node, world_size)), gpu=gpu)
+    global_batch_tokens: int  # --dcp-global-batch-tokens
+    max_seq_len: int  # --dcp-max-seq-len: longer documents are cut
+    seq_length: int  # --seq-length: a batch-size schedule's samples are this many tokens
+    batch_sizes: GlobalBatchSizes  # each iteration's global batch size (a schedule's)
+    train_iters: int
+    lr_step_increment: int  # the scheduler's step: 1, or --global-batch-size under --train-samples
+    eval_iters: int = 0
+    eval_interval: int | None = None
+    split: str = ""  # --split, for the line that says a split holds no document
+    eod_mask_loss: bool = False
+    eod: int | None = None  # the tokenizer's end-of-document id
+    fp16: bool = False  # a skipped step may be the loss scaler's back-off
+    log_interval: int = 100
+    log_plan: str | None = None  # --dcp-log-plan: each iteration's plan, one JSON line
 
 
-# Tensor-parallel sizes a planner may use on any machine of up to this many devices per
-# node; the vocabulary is padded for all of them (see vocab_padding_for).
-TP_CEILING = 8
+@dataclass(frozen=True)
+class LossScaling:
+    """--fp16's loss scaler (megatron-core's: dynamic unless --loss-scale)."""
+
+    loss_scale: float | None
+    initial: float
+    minimum: float
+    window: int
+    hysteresis: int
 
 
-def say_what_the_data_leaves_out(args, train_ds, valid_ds) -> None:
+def grad_scaler(scaling: LossScaling | None):
+    """The engine's loss scaler (on the device: built once the run is set up), or none."""
+    if scaling is None:
+        return None
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if scaling.loss_scale is not None:
+        return ConstantGradScaler(scaling.loss_scale)
+    return DynamicGradScaler(initial_scale=scaling.initial, min_scale=scaling.minimum, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=int(scaling.window), hysteresis=scaling.hysteresis)
+
+
+def say_what_the_data_leaves_out(options: StepOptions, train_ds, valid_ds) -> None:
     """Once, at start: the tokens --dcp-max-seq-len cuts, and an evaluation asked for that
     cannot run because the validation split holds no document."""
     from dcp_ext.data.documents import truncation_note
 
-    note = truncation_note(train_ds, args.dcp_max_seq_len) if train_ds is not None else None
+    o = options
+    note = truncation_note(train_ds, o.max_seq_len) if train_ds is not None else None
     if note:
         print_rank_0(f"WARNING: {note}")
-    if valid_ds is None and args.eval_iters > 0 and args.eval_interval and args.eval_interval <= args.train_iters:
-        print_rank_0(f"WARNING: no evaluation: --split {args.split} leaves the validation split without a document, "
-                     f"so --eval-iters {args.eval_iters} --eval-interval {args.eval_interval} never run; give the "
+    if valid_ds is None and o.eval_iters > 0 and o.eval_interval and o.eval_interval <= o.train_iters:
+        print_rank_0(f"WARNING: no evaluation: --split {o.split} leaves the validation split without a document, "
+                     f"so --eval-iters {o.eval_iters} --eval-interval {o.eval_interval} never run; give the "
                      "validation split a share (e.g. --split 98,2,0) or set --eval-iters 0")
-
-
-def vocab_padding_for(args, vocab_size: int, cluster) -> int:
-    """One padded vocabulary for every layout the planner could choose, on this world size
-    or any other: a multiple of divisible_by x lcm(every power-of-two tp up to TP_CEILING that
-    divides the heads and the query groups, and every tp of this cluster's pool). It depends
-    on the model and the flags alone (on nodes of up to TP_CEILING devices), so a checkpoint
-    saved on W ranks resumes on any W' whatever the vocabulary; and it is fixed before
-    planning, so the planner's cost model and the runtime see the same model."""
-    from dcp_ext.planning.cost_model import CostModel
-    from dcp_ext.data.tokenizers import padded_vocab_size
-    from megatron.training.adaptive.run_config import model_spec_for
-
-    spec = model_spec_for(args, vocab_size=vocab_size)
-    lcm_tp = 1
-    tp = 1
-    while tp <= TP_CEILING:
-        if spec.valid_tp(tp):
-            lcm_tp = math.lcm(lcm_tp, tp)
-        tp *= 2
-    for layout in CostModel(spec, cluster).all_layouts():
-        lcm_tp = math.lcm(lcm_tp, layout.tp)
-    return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, lcm_tp)
-
-
-def grad_scaler_for(args):
-    """--fp16: megatron-core's loss scaler (dynamic unless --loss-scale), else none."""
-    if not args.fp16:
-        return None
-    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-
-    if args.loss_scale is not None:
-        return ConstantGradScaler(args.loss_scale)
-    return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale, growth_factor=2.0,
-                             backoff_factor=0.5, growth_interval=int(args.loss_scale_window),
-                             hysteresis=args.hysteresis)
 
 
 def static_layout_line(config, planner) -> str:
@@ -168,8 +135,8 @@ class SplitBatches:
     """The global batches of a validation or test split, one after another across calls
     (as upstream's one data iterator per split), from the split's start again at its end."""
 
-    def __init__(self, args, dataset, skip: int = 0):
-        self.args, self.dataset = args, dataset
+    def __init__(self, options: StepOptions, dataset, skip: int = 0):
+        self.options, self.dataset = options, dataset
         self.stream = self._from_start()
         try:
             for _ in range(skip):  # a resumed run: the batches its earlier evaluations took
@@ -180,7 +147,7 @@ class SplitBatches:
     def _from_start(self):
         from dcp_ext.data.batches import GlobalBatchStream
 
-        return GlobalBatchStream(self.dataset, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len,
+        return GlobalBatchStream(self.dataset, self.options.global_batch_tokens, self.options.max_seq_len,
                                  limit=len(self.dataset))
 
     def next(self):
@@ -191,30 +158,30 @@ class SplitBatches:
             return self.stream.next()  # StopIteration again: the split holds no batch
 
 
-def evaluate(args, engine, planner, dataset, batches: SplitBatches | None = None) -> float:
+def evaluate(options: StepOptions, engine, planner, dataset, batches: SplitBatches | None = None) -> float:
     """Per-token loss over the next --eval-iters global batches of `batches` (a walk through
     `dataset`; without one, its first batches)."""
-    batches = batches if batches is not None else SplitBatches(args, dataset)
+    batches = batches if batches is not None else SplitBatches(options, dataset)
     total, tokens = 0.0, 0.0
-    for i in range(args.eval_iters):
+    for i in range(options.eval_iters):
         try:
             batch = batches.next()
         except StopIteration:
             break
         it = planner.plan(i, batch.sample_ids, batch.lengths)
-        loss_sum, n = engine.eval_iteration(it, dataset, eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
+        loss_sum, n = engine.eval_iteration(it, dataset, eod_mask_loss=options.eod_mask_loss, eod=options.eod)
         total, tokens = total + loss_sum, tokens + n
     return total / max(tokens, 1.0)
 
 
-def no_loss_tokens_message(args, iteration: int, dataset, batch) -> str:
+def no_loss_tokens_message(options: StepOptions, iteration: int, dataset, batch) -> str:
     """A global batch with no token to train on would train at loss 0: say why, naming a sample."""
     prefix, doc, _ = dataset.source(batch.sample_ids[0])
     if getattr(dataset, "has_loss_mask", False):
         why = (f"their SFT loss mask is 0 on every token kept (prompts longer than --dcp-max-seq-len "
-               f"{args.dcp_max_seq_len}?)")
+               f"{options.max_seq_len}?)")
     else:
-        why = "every sample is one token long" + (" or all EOD (--eod-mask-loss)" if args.eod_mask_loss else "")
+        why = "every sample is one token long" + (" or all EOD (--eod-mask-loss)" if options.eod_mask_loss else "")
     return (f"iteration {iteration}: the global batch's {len(batch.sample_ids)} samples have no token to train on: "
             f"{why}; first sample: {prefix} document {doc}")
 
@@ -224,30 +191,29 @@ class AdaptiveRun:
     documents, the padded vocabulary and the planner (before the memory report, as the
     static path's data), then the engine."""
 
-    def __init__(self, args, document_datasets_provider, model_provider, forward_step_func=None):
-        """forward_step_func: the entry point's, run on every micro-batch as on the static path."""
-        self.args, self.datasets_provider, self.model_provider = args, document_datasets_provider, model_provider
-        self.forward_step_func = forward_step_func
+    def __init__(self, seed: int, cluster, datasets: Callable[[], tuple], configure: Callable[[], Any],
+                 model_provider, forward_step_func=None):
+        """`cluster`: the ClusterSpec this job runs on (`run_config.cluster_for`); `datasets()`:
+        the (train, valid, test) document datasets (the entry script's provider);
+        `configure()`: the run's AdaptiveRunConfig, called once the data is read (the door
+        pads the vocabulary for every layout on `cluster` first: `run_config.configure`);
+        forward_step_func: the entry point's, run on every micro-batch as on the static path."""
+        self.seed_value, self.cluster, self.datasets, self.configure = seed, cluster, datasets, configure
+        self.model_provider, self.forward_step_func = model_provider, forward_step_func
         self.recalibration = None
 
     def seed(self) -> None:
-        set_random_seed_without_parallel_state(self.args.seed)
+        set_random_seed_without_parallel_state(self.seed_value)
         # megatron-core's RNG tracker seeded before anything is built, as the static path
         # does (the engine re-seeds it for every step's TP rank)
         from dcp_ext.runtime.params.initial_values import seed_rng_tracker
 
-        seed_rng_tracker(self.args.seed, 0, 0)
-        self.cluster = cluster_for(self.args.world_size, self.args)  # an unknown GPU stops here, before any data
+        seed_rng_tracker(self.seed_value, 0, 0)
 
     def data(self) -> None:
-        from dcp_ext.runtime.options import default_device
-        from megatron.training.global_vars import get_tokenizer
-
-        args = self.args
-        self.train_ds, self.valid_ds, self.test_ds = self.datasets_provider(args)
-        say_what_the_data_leaves_out(args, self.train_ds, self.valid_ds)
-        args.padded_vocab_size = vocab_padding_for(args, get_tokenizer().vocab_size, self.cluster)
-        self.config = AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
+        self.train_ds, self.valid_ds, self.test_ds = self.datasets()
+        self.config = self.configure()
+        say_what_the_data_leaves_out(self.config.steps, self.train_ds, self.valid_ds)
         if self.config.overlap_note:
             print_rank_0(self.config.overlap_note)
         self.planner = build_planner(self.config.planner, self.train_ds.lengths, self.cluster, self.config.model)
@@ -255,21 +221,18 @@ class AdaptiveRun:
     def build(self, peak_memory):
         from dcp_ext.runtime.engine import AdaptiveEngine
 
-        args, types = self.args, self.planner.replica_types()
+        config, types = self.config, self.planner.replica_types()
         self.engine = engine = AdaptiveEngine(
-            types,
-            lambda tp, cp, pp, sp: transformer_config_from_args(args, tensor_model_parallel_size=tp,
-                                                                context_parallel_size=cp,
-                                                                pipeline_model_parallel_size=pp, sequence_parallel=sp),
-            lambda config, pre, post, pg: self.model_provider(config, pre_process=pre, post_process=post,
-                                                              pg_collection=pg),
-            self.config.engine, grad_scaler=grad_scaler_for(args), forward_step=self.forward_step_func)
+            types, config.layer_config,
+            lambda layer_config, pre, post, pg: self.model_provider(layer_config, pre_process=pre, post_process=post,
+                                                                    pg_collection=pg),
+            config.engine, grad_scaler=grad_scaler(config.loss_scaling), forward_step=self.forward_step_func)
         held = engine.persistent_bytes()
-        print_rank_0(f"> adaptive runtime: planner {args.dcp_planner}, {len(types)} replica types, "
+        print_rank_0(f"> adaptive runtime: planner {config.planner.name}, {len(types)} replica types, "
                      f"{engine.registry.num_groups} process groups, {engine.space.numel:,} parameters "
-                     f"sharded over {args.world_size} ranks in {engine.sharding.num_buckets} buckets; rank 0 holds "
-                     + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
-        if args.dcp_recalibration == "on":
+                     f"sharded over {self.cluster.num_gpus} ranks in {engine.sharding.num_buckets} buckets; rank 0 "
+                     "holds " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in held.items()))
+        if config.planner.rechoose_pool:  # --dcp-recalibration on
             self.recalibration = OnlineCalibration(self.planner, engine.device, peak_memory, engine.host_group)
             at_rest = self.recalibration.charge_at_rest(engine)
             print_rank_0(f"> memory beyond the model at rest (the most over ranks, charged from the first plan): "
@@ -284,14 +247,14 @@ class AdaptiveRun:
         if startup_calibration.wanted(self.config.planner, self.planner, consumed_samples):
             from dcp_ext.data.batches import GlobalBatchStream
 
-            first = GlobalBatchStream(self.train_ds, self.args.dcp_global_batch_tokens, self.args.dcp_max_seq_len).peek(1)
+            o = self.config.steps
+            first = GlobalBatchStream(self.train_ds, o.global_batch_tokens, o.max_seq_len).peek(1)
             line = first and startup_calibration.calibrate_at_start(self.engine, self.planner, self.recalibration,
                                                                      self.train_ds, first[0],
-                                                                     eod_mask_loss=self.args.eod_mask_loss,
-                                                                     eod=self.args.eod_token)
+                                                                     eod_mask_loss=o.eod_mask_loss, eod=o.eod)
             if line:
                 print_rank_0(line)
-        self.adaptive_steps = AdaptiveSteps(self.args, self.engine, self.planner, scheduler, self.train_ds,
+        self.adaptive_steps = AdaptiveSteps(self.config.steps, self.engine, self.planner, scheduler, self.train_ds,
                                             self.valid_ds, consumed_samples, logger, features, self.recalibration,
                                             test_ds=self.test_ds, checkpointing=self.config.checkpoint)
         return self.adaptive_steps
@@ -314,20 +277,21 @@ class AdaptiveSteps:
 
     save_without_progress = False
 
-    def __init__(self, args, engine, planner, scheduler, train_ds, valid_ds, consumed, logger, features,
-                 recalibration: OnlineCalibration | None = None, test_ds=None, checkpointing=None):
+    def __init__(self, options: StepOptions, engine, planner, scheduler, train_ds, valid_ds, consumed, logger,
+                 features, recalibration: OnlineCalibration | None = None, test_ds=None,
+                 checkpointing: CheckpointConfig | None = None):
         from dcp_ext.data.batches import GlobalBatchStream
 
-        self.args, self.engine, self.planner, self.scheduler = args, engine, planner, scheduler
-        self.checkpointing = checkpointing  # a CheckpointConfig: what save() writes where
-        self.batch_sizes = batch_sizes_for(args)  # each iteration's global batch size (a schedule's)
+        self.options, self.engine, self.planner, self.scheduler = options, engine, planner, scheduler
+        self.checkpointing = checkpointing  # what save() writes where
+        self.batch_sizes = options.batch_sizes  # each iteration's global batch size (a schedule's)
         self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
         self.has_validation = valid_ds is not None
         self.test_ds, self.has_test = test_ds, test_ds is not None
         self.valid_batches = None  # the validation pass, walking on across evaluations (start_validation_at)
         self.eval_planner = copy.deepcopy(planner)  # evaluation must not disturb the training plan sequence
         self.first_iteration = None  # the first run()'s: a --step-batch-size-schedule's budgets count from it
-        self.stream = GlobalBatchStream(train_ds, self._budget(args), args.dcp_max_seq_len, consumed_samples=consumed)
+        self.stream = GlobalBatchStream(train_ds, self._budget(), options.max_seq_len, consumed_samples=consumed)
         self.planning = ThreadPoolExecutor(max_workers=1)
         self.upcoming = None
         self.recalibration = recalibration
@@ -343,16 +307,17 @@ class AdaptiveSteps:
         it = self.planner.plan(index, batch.sample_ids, batch.lengths)
         return it, time.perf_counter() - t0
 
-    def _budget(self, args):
+    def _budget(self):
         """Tokens per global batch: --dcp-global-batch-tokens, or with --step-batch-size-schedule
         the size of the batch's iteration times --seq-length (a function of the batch's index)."""
         if self.batch_sizes.schedule is None:
-            return args.dcp_global_batch_tokens
-        return lambda j: self.batch_sizes.of_iteration(self.first_iteration + j) * args.seq_length
+            return self.options.global_batch_tokens
+        return lambda j: self.batch_sizes.of_iteration(self.first_iteration + j) * self.options.seq_length
 
     def run(self, iteration: int) -> Outcome:
         from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
-        args = self.args
+
+        o = self.options
         if self.first_iteration is None:
             self.first_iteration = iteration
         start = time.perf_counter()
@@ -368,34 +333,34 @@ class AdaptiveSteps:
             self.recalibration.between_plans()  # the planner is idle: the next plan sees the new prices
         self.planner_state = self.planner.planning_state()
         ahead = self.stream.peek(1)
-        more = ahead and iteration + 1 < args.train_iters
+        more = ahead and iteration + 1 < o.train_iters
         self.upcoming = self.planning.submit(self._plan, iteration + 1, ahead[0]) if more else None
         try:
             with self.features.timer("adaptive-step"):
                 self.result = result = self.engine.train_iteration(self.it, self.train_ds,
-                                                                   eod_mask_loss=args.eod_mask_loss, eod=args.eod_token)
+                                                                   eod_mask_loss=o.eod_mask_loss, eod=o.eod)
         except NoTrainableTokens:
-            raise TrainingError(no_loss_tokens_message(args, iteration + 1, self.train_ds, batch)) from None
+            raise TrainingError(no_loss_tokens_message(o, iteration + 1, self.train_ds, batch)) from None
         except ForwardStepError as e:
             raise TrainingError(str(e)) from None
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             # 1, or --global-batch-size under --train-samples; a batch-size schedule's samples of this iteration
-            self.scheduler.step(increment=args.lr_step_increment if self.batch_sizes.schedule is None
+            self.scheduler.step(increment=o.lr_step_increment if self.batch_sizes.schedule is None
                                 else self.batch_sizes.of_iteration(iteration))
         finite_weights.inject_nan_weights([self.engine.optimizer.master()], iteration + 1)  # a test hook
         if self.recalibration is not None:
             self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)
             # queued, applied at the next iteration's start: a checkpoint now keeps it
             self.planner_state = {**self.planner_state, "calibration": self.recalibration.state_dict()}
-        overflow = args.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
+        overflow = o.fp16 and not result.update_successful and math.isfinite(result.loss)  # loss scaler's skip
         return Outcome(result.loss, ok, bool(overflow))
 
     def log(self, iteration: int, outcome: Outcome, elapsed_s: float) -> None:
         from dcp_ext.planning.flops import training_flops
         from dcp_ext.planning.plan import iteration_to_json
 
-        args, it, batch, result = self.args, self.it, self.batch, self.result
+        o, it, batch, result = self.options, self.it, self.batch, self.result
         flops = training_flops(batch.lengths, **self.logger.model_shape())
         summary = layout_summary(it)
         self.window_layouts[layout_label(it)] += 1
@@ -408,8 +373,8 @@ class AdaptiveSteps:
                  f"{1000 * elapsed_s:.1f} | plan (ms): {1000 * self.plan_s:.1f} | exposed comm (ms): "
                  f"{1000 * result.exposed_comm_s:.1f} | exchange (ms): {1000 * result.exchange_s:.1f} | "
                  f"tokens: {sum(batch.lengths)} |")
-        if iteration % args.log_interval == 0:
-            if args.log_interval > 1:
+        if iteration % o.log_interval == 0:
+            if o.log_interval > 1:
                 extra += " layouts since last log: " + ", ".join(f"{k} x{v}" for k, v in self.window_layouts.items()) + " |"
             self.window_layouts.clear()
         self.logger.log_iteration(iteration, self.stream.consumed_samples, elapsed_s, {"lm loss": result.loss},
@@ -420,8 +385,8 @@ class AdaptiveSteps:
                                           "exchange_s": result.exchange_s,
                                           "layout": summary,
                                           **(self.recalibration.balance_record(it) if self.recalibration else {})})
-        if args.dcp_log_plan and dist.get_rank() == 0:
-            with open(args.dcp_log_plan, "a") as f:
+        if o.log_plan and dist.get_rank() == 0:
+            with open(o.log_plan, "a") as f:
                 f.write(json.dumps(iteration_to_json(it)) + "\n")
 
     def headroom_line(self) -> str | None:
@@ -441,22 +406,22 @@ class AdaptiveSteps:
                 f"is faster by the cost model): measured/bound {measured / bound:.2f}x")
 
     def start_validation_at(self, batches: int) -> None:
-        self.valid_batches = SplitBatches(self.args, self.valid_ds, skip=batches)
+        self.valid_batches = SplitBatches(self.options, self.valid_ds, skip=batches)
 
     def evaluate(self, iteration: int, prefix: str, split: str = "valid") -> None:
         """The next --eval-iters global batches of the validation split, or (split 'test')
         the test split's first ones."""
         if split == "test":
-            loss = evaluate(self.args, self.engine, self.eval_planner, self.test_ds)
+            loss = evaluate(self.options, self.engine, self.eval_planner, self.test_ds)
         else:
             if self.valid_batches is None:
-                self.valid_batches = SplitBatches(self.args, self.valid_ds)
-            loss = evaluate(self.args, self.engine, self.eval_planner, self.valid_ds, self.valid_batches)
+                self.valid_batches = SplitBatches(self.options, self.valid_ds)
+            loss = evaluate(self.options, self.engine, self.eval_planner, self.valid_ds, self.valid_batches)
         self.logger.log_validation(iteration, loss, prefix, scalars=split != "test")
 
     def save(self, iteration: int) -> None:
-        checkpointing_adaptive.save(self.checkpointing, iteration, self.stream.consumed_samples, self.engine, self.scheduler,
-                               self.planner_state)
+        checkpointing_adaptive.save(self.checkpointing, iteration, self.stream.consumed_samples, self.engine,
+                                    self.scheduler, self.planner_state)
 
     def close(self) -> None:
         self.planning.shutdown(wait=True)
