@@ -177,7 +177,8 @@ def _report_collective_fault(e: BaseException, args) -> None:
 
 def _pretrain(args, datasets_provider, model_provider, forward_step_func, document_datasets_provider=None):
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    from megatron.training.startup import job_agreement, liveness
+    from megatron.training.flags import job_agreement
+    from megatron.training.startup import liveness
 
     liveness.start(dist.get_rank(), dist.get_world_size())  # heartbeats: who stopped answering, if one does
 

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron.training.startup import collective_faults, job_agreement, liveness
+from megatron.training.flags import job_agreement
+from megatron.training.startup import collective_faults, liveness
 from megatron.training.startup.collective_faults import fault_line, is_collective_failure, rank_list, timed_out_after_s
 
 GLOO_RECV = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "

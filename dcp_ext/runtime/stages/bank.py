@@ -209,7 +209,7 @@ class StageBank:
 
     # ----------------------------------------------------------------- hooks
     def _pull_hook(self, bucket: int):
-        def hook(module, args):
+        def hook(module, inputs):
             if self.streams.pull is not None:
                 self.streams.pull.need(bucket)
         return hook

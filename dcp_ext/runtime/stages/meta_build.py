@@ -26,12 +26,12 @@ _EMPTY = torch._C._VariableFunctions.empty  # torch.empty itself, whatever wraps
 
 
 class _ParametersOnMeta(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, call_args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _EMPTY:
             kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
             kwargs["device"] = "meta"
-        return func(*args, **kwargs)
+        return func(*call_args, **kwargs)
 
 
 def build_without_parameters(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
