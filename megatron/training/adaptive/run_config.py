@@ -7,6 +7,12 @@ is derived here, once, into frozen records: `EngineOptions` for the engine, a `M
 for the planner and the cost model with the same exchange slots, bucket size and kernels
 (TE or local layers, the fusions: what its activation memory depends on). Nothing
 writes the flags after this point.
+
+It is the door's part for `--dcp` (nothing below reads the flags): the cluster the job runs
+on (`cluster_for`), the vocabulary padded for every layout the planner could choose
+(`vocab_padding_for`), and `configure`, which `pretrain()` hands the run to call once its data
+is read: every record of `AdaptiveRunConfig`, the iterations' `StepOptions` and the
+per-layout TransformerConfig builder among them.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 Glue only: documents from the variable-length data path, global batches by tokens
 (docs/contracts.md), a plan per iteration from `dcp_ext.planning.planner` (the next one computed in a
 background thread while this one trains), `dcp_ext.runtime.AdaptiveEngine` for the step,
-Megatron's LR schedule, log line and checkpoint layout.
+Megatron's LR schedule, log line and checkpoint layout. It reads no flags: `pretrain()`
+hands `AdaptiveRun` its seed, cluster and the door's `configure()`, and the iterations take
+the `StepOptions` record it builds.
 """
 from __future__ import annotations
 
