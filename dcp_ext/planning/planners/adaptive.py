@@ -1,7 +1,10 @@
 """The adaptive planner: per iteration, heterogeneous replicas, packing, recompute, accumulation.
 
 Why it exists: this is the system's brain (docs/contracts.md step 2). Given one global batch it
-returns the plan the runtime executes.
+returns the plan the runtime executes. It keeps what lasts over a run: the candidate pool
+(searched at start with the static layout's entry, its shared buffers charged, chosen again
+from measured prices) and the layout it runs now; the plan of one batch on that pool is
+`planners.batch_plan` (steps 2-3 below), the v2 pass `planners.layer_plan`.
 
 Per iteration:
   1. rank the candidate layouts (`dcp_ext.planning.planners.candidates`, built once per run) with the
@@ -40,14 +43,14 @@ import numpy as np
 from dcp_ext.planning.layout import Layout, LayoutMix
 from dcp_ext.planning.plan import IterationPlan
 from dcp_ext.planning.planners.base import PlannerBase
+from dcp_ext.planning.planners.batch_plan import ChoiceRules, choose_plan, full_plan
 from dcp_ext.planning.planners.batch_prep import BatchPrep, screen
 from dcp_ext.planning.planners.candidates import Pool, build_pool, reserve_layouts, stderr_progress, with_static_entry
-from dcp_ext.planning.planners.side_plan import enabled as side_plan_enabled, side_plan
-from dcp_ext.planning.planners.stage1 import assign_documents
+from dcp_ext.planning.planners.side_plan import enabled as side_plan_enabled
 from dcp_ext.planning.batching import extreme_batches, sample_batches
 from dcp_ext.planning.layout import canonical, describe, expand, mix_label, parse_layout, place
 from dcp_ext.planning.planners.errors import PlanningError
-from dcp_ext.planning.planners.packing import PackedReplica, pack_and_price, to_iteration_plan
+from dcp_ext.planning.planners.packing import PackedReplica, to_iteration_plan
 from dcp_ext.planning.planners.tables import make_type_table
 
 
@@ -432,55 +435,9 @@ class AdaptivePlanner(PlannerBase):
         if longest > holdable:
             raise PlanningError(f"a sequence of {longest} tokens fits no candidate layout; the longest that fits is {int(holdable)} tokens")
         prep = BatchPrep(self.cm, self.pool_tables, s)
-        # plans that mix layouts are weighed by what mixes measured against single layouts
-        weight = [self.mix_factor if len(c) > 1 else 1.0 for c in self.pool.layouts]
-        est = []
-        for c, w in zip(self.pool.layouts, weight):
-            t, order, bounds = screen(prep, c)
-            est.append((t * w, c, order, bounds))
-        ranked = sorted(range(len(est)), key=lambda i: (est[i][0], i))
-        t0 = est[ranked[0]][0]
-        if prep.n <= self.small_batch:
-            # few documents: the fractional estimate is least reliable and full plans cheap
-            ranked = [i for i in ranked if math.isfinite(est[i][0])]
-            pick = ranked
-            t0 = math.inf
-        # plan in full the best estimates (those within the estimate's accuracy of the
-        # best) and the current layout when staying on it is plausible
-        if math.isfinite(t0):
-            pick = [i for i in ranked[: self.top_k] if math.isfinite(est[i][0]) and est[i][0] <= t0 * (1 + self.screen_slack)]
-        if self._current is not None and math.isfinite(t0):
-            cur_i = self.pool.layouts.index(self._current)
-            if cur_i not in pick and est[cur_i][0] <= t0 * (1 + self.switch_margin + self.screen_slack):
-                # staying is plausible: the current layout takes the last slot
-                pick = pick[: max(1, self.top_k - 1)] + [cur_i]
-        if not pick:
-            raise PlanningError(f"no candidate layout can run this batch (longest sequence {longest} tokens)")
-        plans = {}
-        for i in pick:
-            t_est, c, order, bounds = est[i]
-            reps = self._full_plan(prep, c, order, bounds)
-            plans[i] = (max(r.time_s for r in reps) * weight[i], reps)
-        if self._use_side_plan and prep.n <= self.side_plan_max_docs:
-            # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
-            # prices lower stays
-            i = min(plans, key=lambda i: (plans[i][0], i))
-            alt = side_plan(self.cm, self.pool_tables, self.placements[est[i][1]], prep, est[i][0] / weight[i],
-                            self.seed, beat=plans[i][0] / weight[i])
-            if alt is not None:
-                t_alt = max(r.time_s for r in alt) * weight[i]
-                if t_alt < plans[i][0]:
-                    plans[i] = (t_alt, alt)
-        # the fastest; within 0.2% of it, the one with more (smaller) replicas
-        t_min = min(p[0] for p in plans.values())
-        nrep = lambda i: sum(c for _, c in self.pool.layouts[i])  # noqa: E731
-        best = min((i for i in plans if plans[i][0] <= t_min * 1.002), key=lambda i: (-nrep(i), plans[i][0], i))
-        if self._current is not None:
-            cur_i = self.pool.layouts.index(self._current)
-            if cur_i in plans and best != cur_i:
-                t_cur = plans[cur_i][0]
-                if plans[best][0] + self.switch_cost_s + self.switch_margin * t_cur >= t_cur:
-                    best = cur_i
+        choice = choose_plan(self.cm, self.pool_tables, self.placements, prep, self.pool.layouts, self._current,
+                             self.mix_factor, self._rules(), longest)
+        plans, best, weight = choice.plans, choice.best, choice.weight
         self._note_regret(index, plans, best, weight)
         self._current = self.pool.layouts[best]
         # the plan contract v2 pass (layer strategies, uneven stages) on the chosen plan only:
@@ -515,10 +472,12 @@ class AdaptivePlanner(PlannerBase):
 
     # ------------------------------------------------------------------ one layout in full
     def _full_plan(self, prep: BatchPrep, counts: LayoutMix, order, bounds: list[int]) -> list[PackedReplica]:
-        placement = self.placements[counts]
-        R = len(placement)
-        sync = [prep.sync(lay, R) for lay, _ in placement]
-        j_of_pos = np.searchsorted(np.asarray(bounds), np.arange(prep.n), side="right").tolist() if bounds else [len(order) - 1] * prep.n
-        docs = assign_documents(prep, counts, placement, sync, order, j_of_pos, self.move_targets, self.max_moves)
-        # stage 2: pack, choose recompute, price exactly
-        return pack_and_price(self.cm, self.pool_tables, prep, placement, docs)
+        return full_plan(self.cm, self.pool_tables, self.placements[counts], prep, counts, order, bounds,
+                         self.move_targets, self.max_moves)
+
+    def _rules(self) -> ChoiceRules:
+        return ChoiceRules(top_k=self.top_k, screen_slack=self.screen_slack, switch_margin=self.switch_margin,
+                           switch_cost_s=self.switch_cost_s, small_batch=self.small_batch,
+                           move_targets=self.move_targets, max_moves=self.max_moves,
+                           use_side_plan=self._use_side_plan, side_plan_max_docs=self.side_plan_max_docs,
+                           seed=self.seed)

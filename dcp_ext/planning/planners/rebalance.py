@@ -1,6 +1,6 @@
 """Stage 1b of the adaptive planner: single moves and pairwise swaps between replicas.
 
-Why a module of its own: stage 1a (`AdaptivePlanner._full_plan`) hands out documents in
+Why a module of its own: stage 1a (`batch_plan.full_plan`) hands out documents in
 one greedy pass; this local search then evens out the replicas' estimated finish times
 (`TypeOnBatch.finish`) before stage 2 packs them. It only moves documents between
 replicas; what a replica costs is the estimate's business, how it runs is stage 2's.
