@@ -113,7 +113,7 @@ def save_checkpoint(config, iteration: int, consumed_samples: int, model, optimi
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
-        "layout": tuple(config.layout),
+        "layout": config.layout,
         "model": model_sd,
         "content_metadata": dict(CONTENT_METADATA),  # as dist_checkpointing.save(content_metadata=...) stores it
     }
@@ -238,7 +238,7 @@ def load_checkpoint(config, model, optimizer, scheduler) -> tuple[int, int]:
     check_saved_parts(config, common, path)  # --no-save-optim/--no-save-rng checkpoints need --no-load-*
     upstream = upstream_format(common)
     saved_layout = _saved_layout(common)
-    same_layout = saved_layout == tuple(config.layout)
+    same_layout = saved_layout == config.layout
     metadata = _content_metadata(common)
     model_sd = unwrap(model).sharded_state_dict(metadata=dict(metadata))
     request = {"model": model_sd}
@@ -251,7 +251,7 @@ def load_checkpoint(config, model, optimizer, scheduler) -> tuple[int, int]:
         mcore_compat.prepare_optimizer_for_load(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(metadata))
     # upstream restores RNG state under the same TP/PP (its grid); ours under the same layout
-    same_grid = saved_layout[1:3] == tuple(config.layout[1:3]) if upstream else same_layout
+    same_grid = saved_layout[1:3] == config.layout[1:3] if upstream else same_layout
     load_rng = config.loads_rng() and same_grid
     if load_rng:
         request["rng_state"] = _rng_sharded_object(upstream)

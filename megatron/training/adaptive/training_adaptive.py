@@ -286,7 +286,6 @@ class AdaptiveSteps:
 
         self.options, self.engine, self.planner, self.scheduler = options, engine, planner, scheduler
         self.checkpointing = checkpointing  # what save() writes where
-        self.batch_sizes = options.batch_sizes  # each iteration's global batch size (a schedule's)
         self.train_ds, self.valid_ds, self.logger, self.features = train_ds, valid_ds, logger, features
         self.has_validation = valid_ds is not None
         self.test_ds, self.has_test = test_ds, test_ds is not None
@@ -312,9 +311,10 @@ class AdaptiveSteps:
     def _budget(self):
         """Tokens per global batch: --dcp-global-batch-tokens, or with --step-batch-size-schedule
         the size of the batch's iteration times --seq-length (a function of the batch's index)."""
-        if self.batch_sizes.schedule is None:
-            return self.options.global_batch_tokens
-        return lambda j: self.batch_sizes.of_iteration(self.first_iteration + j) * self.options.seq_length
+        o = self.options
+        if o.batch_sizes.schedule is None:
+            return o.global_batch_tokens
+        return lambda j: o.batch_sizes.of_iteration(self.first_iteration + j) * o.seq_length
 
     def run(self, iteration: int) -> Outcome:
         from dcp_ext.runtime.step_result import ForwardStepError, NoTrainableTokens
@@ -348,8 +348,8 @@ class AdaptiveSteps:
         ok = result.update_successful and math.isfinite(result.loss)
         if ok:
             # 1, or --global-batch-size under --train-samples; a batch-size schedule's samples of this iteration
-            self.scheduler.step(increment=o.lr_step_increment if self.batch_sizes.schedule is None
-                                else self.batch_sizes.of_iteration(iteration))
+            self.scheduler.step(increment=o.lr_step_increment if o.batch_sizes.schedule is None
+                                else o.batch_sizes.of_iteration(iteration))
         finite_weights.inject_nan_weights([self.engine.optimizer.master()], iteration + 1)  # a test hook
         if self.recalibration is not None:
             self.recalibration.measured(self.it, batch, result, time.perf_counter() - start)

@@ -96,7 +96,6 @@ class FeatureOptions:
 class LoopFeatures:
     def __init__(self, options: FeatureOptions):
         self.options = o = options
-        self.adaptive = o.adaptive
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.start_time = process_start_time()
         self.exit_reason = None
@@ -128,7 +127,7 @@ class LoopFeatures:
         """At each log line: the timers, averaged over the interval (Megatron's '(min, max) time')."""
         if self.timers is None or iteration % self.options.log_interval:
             return
-        names = ["adaptive-step", *PHASES] if self.adaptive else [
+        names = ["adaptive-step", *PHASES] if self.options.adaptive else [
             "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send",
             "backward-recv", "backward-send", "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
             "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",
