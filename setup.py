@@ -50,7 +50,7 @@ setup(
     extras_require={
         # apex has no wheel on PyPI: build it from source (see docs/upstream.md) if you want its fused kernels.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest", "hypothesis", "highspy", "matplotlib", "tensorboard", "tokenizers", "sentencepiece",
+        "test": ["pytest", "hypothesis", "matplotlib", "tensorboard", "tokenizers", "sentencepiece",
                  "transformers", "safetensors"],  # tools/checkpoint_hf.py and its tests
     },
     entry_points={

@@ -5,8 +5,8 @@ program and the lower bound's search run every iteration, so they are C++ (csrc/
 csrc/bound.cpp, pybind11, built by setup.py as `dcp_ext.kernels._kernels`), each bit for bit
 its Python reference. `kernel(name)` hands a caller the compiled function, or None where the
 extension is not built or DCP_ASSIGN_IMPL=python asks for the references; the caller then runs
-its reference. The same extension carries dcp_ext.assign's alternative stage 1 + 2
-(csrc/assign_*.cpp), which dcp_ext.assign.backend reaches through `compiled`.
+its reference. The side plan's stage 1 by search (csrc/stage1_search.cpp) is one of them;
+csrc/module.cpp registers them all.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ Per iteration:
      longer than that runs alone with the fewest recomputed layers that hold it, which is
      DCP-intra; the number of micro-batches follows from the packing, DCP-inter; pipelines
      get as many as balance bubble against per-micro-batch cost, and every 1F1B window fits
-     memory). dcp_ext.assign's C++ stage 1 + 2 also plans the leading candidate when its
-     kernels are built; the cheaper plan stays;
+     memory). The leading candidate is also planned with stage 1 by search (`side_plan`,
+     where its kernel is built); the cheaper plan stays;
   3. price each full plan exactly (1F1B simulation + sync, the simulator's own numbers) and
      keep the best (within 0.2%, the one with more, smaller replicas); the layout changes
      only when the gain beats the switching cost plus a margin.
@@ -107,11 +107,12 @@ class AdaptivePlanner(PlannerBase):
         model's stage times (`planners.stage_split`), fixed per layout; "even" emits the
         even split explicitly (every stage priced on its own: the control for measuring
         what the balancing itself buys). Both: True/"on", False/"off".
-        side_plan: "auto" runs dcp_ext.assign's stage 1 + 2 beside the main kernels where its C++
-        build is there, "on" always (an error without it), "off" never.
-        side_plan_max_docs: batches of more documents skip the dcp_ext.assign side plan (a
-        budget: at h200x1024 with 64M-token batches, 18k documents, it took 35 of 95 ms per
-        iteration and never won; its wins on smaller batches were at most 0.06%).
+        side_plan: "auto" plans the leading candidate a second time, its stage 1 by search
+        (`planners.side_plan`), where that kernel is built; "on" always (the Python reference
+        where it is not), "off" never.
+        side_plan_max_docs: batches of more documents skip the side plan (a budget: at
+        h200x1024 with 64M-token batches, 18k documents, it took 35 of 95 ms per iteration and
+        never won).
         rechoose_pool (`--dcp-recalibration on`): the pool is chosen again from the
         recalibrated prices (`_rechoose`), among the reserve's layouts, whose replica
         types on every aligned block of ranks are registered at start."""

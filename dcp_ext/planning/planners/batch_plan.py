@@ -8,7 +8,7 @@ pool and that layout, written here:
   1. every pool entry priced by the water-filling estimate (`batch_prep.screen`);
   2. the best estimates (and the current layout, when staying on it is plausible) planned in
      full: stage 1 (`stage1.assign_documents`) then stage 2 (`packing.pack_and_price`), the
-     side plan of `dcp_ext.assign` beside the leading one;
+     side plan (`side_plan`: stage 1 by search) beside the leading one;
   3. the fastest full plan kept (within 0.2%, the one with more, smaller replicas), unless
      switching away from the current layout gains less than its cost plus a margin.
 """
@@ -38,7 +38,7 @@ class ChoiceRules:
     small_batch: int  # batches of at most this many documents plan every entry in full
     move_targets: int  # stage 1b's budget
     max_moves: int | None
-    use_side_plan: bool  # dcp_ext.assign's stage 1 + 2 beside the leading candidate
+    use_side_plan: bool  # the leading candidate planned again, stage 1 by search
     side_plan_max_docs: int
     seed: int
 
@@ -99,7 +99,7 @@ def choose_plan(cm, tables: dict, placements: dict, prep: BatchPrep, layouts: li
         reps = full_plan(cm, tables, placements[c], prep, c, order, bounds, rules.move_targets, rules.max_moves)
         plans[i] = (max(r.time_s for r in reps) * weight[i], reps)
     if rules.use_side_plan and prep.n <= rules.side_plan_max_docs:
-        # the C++ stage 1 + 2 of dcp_ext.assign on the leading candidate; the plan that
+        # the leading candidate again, its stage 1 by search; the plan that
         # prices lower stays
         i = min(plans, key=lambda i: (plans[i][0], i))
         alt = side_plan(cm, tables, placements[est[i][1]], prep, est[i][0] / weight[i], rules.seed,

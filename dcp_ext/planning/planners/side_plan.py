@@ -1,73 +1,69 @@
-"""The side plan: dcp_ext.assign's alternative stage 1 + 2, tried on the leading candidate.
+"""The side plan: the leading candidate planned a second time, its stage 1 by search.
 
-Why a module of its own: it is the one door between the adaptive planner and the second
-planner stack (`dcp_ext/assign`, its C++ in csrc/assign_*.cpp). Beside the main kernels
-it plans the leading candidate again, and the plan that prices lower stays. Measured on the
-pinned plans (tests/planning/test_plan_digests.py) it wins 5 of 40 cases by 0.009-0.047% of
-predicted time; at h200x1024 with 18k documents it took 35 of 95 ms per iteration and never
-won, hence the document budget (`side_plan_max_docs`).
+Why a module of its own: stage 1 (`stage1`) is quick enough for every candidate the
+planner plans in full. On the one that leads, this spends more on where each document goes
+(`stage1_search`: an iterated local search over the replicas' estimates), then packs and
+prices the shares as every plan is (`packing.pack_and_price`); the plan that prices lower
+stays. Measured on the pinned plans (tests/planning/test_plan_digests.py) it decides 5 of
+40, by 0.009-0.21% of predicted time; at h200x1024 with 18k documents it took a third of
+the planning time and never won, hence the document budget (`side_plan_max_docs`).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from dcp_ext.kernels import built
 from dcp_ext.planning.planners.batch_prep import BatchPrep
 from dcp_ext.planning.planners.errors import PlanningError
-from dcp_ext.planning.planners.packing import PackedReplica, finish_replica
+from dcp_ext.planning.planners.packing import PackedReplica, pack_and_price
+from dcp_ext.planning.planners.stage1_search import ReplicaCost, search
 
 
 def enabled(option: str) -> bool:
-    """Whether to plan the side plan: "auto" where the C++ build of dcp_ext.assign is there,
-    "on" always (ImportError without dcp_ext.assign), "off" never."""
+    """Whether to plan the side plan: "auto" where the C++ kernels are built (the Python
+    reference is slow for every iteration; with DCP_ASSIGN_IMPL=python it runs, so that the
+    plans stay those of the kernels), "on" always, "off" never."""
     if option not in ("auto", "on", "off"):
         raise ValueError(f"side_plan must be auto, on or off, not {option!r}")
-    if option == "off":
-        return False
-    try:
-        import dcp_ext.assign as assign
-    except ImportError:
-        if option == "on":
-            raise
-        return False
-    return option == "on" or assign.cpp_available()
+    if option == "auto":
+        return built()
+    return option == "on"
 
 
 def side_plan(cm, pool_tables: dict, placement, prep: BatchPrep, t_est: float, seed: int,
               beat: float = math.inf) -> list[PackedReplica] | None:
-    """Stage 1 + 2 by dcp_ext.assign.plan_replicas for the replicas of `placement`, whose
-    leading-candidate estimate is `t_est`. Its cost model has no per-replica
-    constant and no recompute, so: each replica's costs are scaled by T/(T - sync) (equal
-    scaled times then mean equal finish times with sync), and micro-batches are capped
-    at the no-recompute token cap (a batch with a document longer than every cap is
-    left to the Python stage 1). Nor does it know quadratic memory: there a replica takes
-    documents up to the longest that fits without recompute, finish_replica raises the
-    recompute its packed micro-batches need, and a plan memory cannot hold is no plan.
-    `beat`: the time the plan must be faster than to be taken; once a replica's time
-    reaches it, the rest is not priced (None: the caller keeps its plan either way)."""
-    import dcp_ext.assign as A
-
-    R = len(placement)
-    rcs = []
+    """The replicas of `placement` (the leading candidate, whose estimate is `t_est`) with
+    their documents handed out by `stage1_search`, packed and priced; None when that plan
+    is not faster than `beat` or cannot be made. The search's model has no per-replica
+    constant and no recompute, so each replica's costs are scaled by T/(T - sync) (equal
+    scaled times then mean equal finish times with sync), and its micro-batches are
+    capped at the no-recompute token cap: a batch with a document longer than every cap is
+    left to stage 1. Where memory is quadratic in length, a replica takes documents up to
+    the longest that fits without recompute; packing then raises the recompute its
+    micro-batches need, and a plan memory cannot hold is no plan."""
+    replicas = []
     for lay, _ in placement:
         tt = pool_tables[lay]
         co = cm.coeffs(lay, 0)
-        sync = prep.sync(lay, R)
+        sync = prep.sync(lay, len(placement))
         k = t_est / max(t_est - sync, 1e-9 * t_est)
         cap = int(tt.cap_mb)
         longest = min(cap, int(tt.doc_caps[0])) if tt.quadratic else cap
         if cap < 1 or longest < 1:
             return None
-        rcs.append(A.ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, longest, cap))
-    if prep.n and int(prep.s.max()) > max(r.max_seq_len for r in rcs):
+        replicas.append(ReplicaCost(co.a * k, co.b * k, co.c * k, co.c0 * k, lay.pp, longest, cap))
+    if prep.n and int(prep.s.max()) > max(r.longest for r in replicas):
         return None
-    res = A.plan_replicas(prep.s, rcs, seed=seed)
-    out = []
-    for k, (lay, ranks) in enumerate(placement):
-        mbs = [([int(d) for d in mb], 0) for mb in res.micro_batches[k] if len(mb)]
-        try:
-            out.append(finish_replica(cm, pool_tables[lay], ranks, prep.s_list, mbs, R))
-        except PlanningError:
-            return None
-        if not out[-1].time_s < beat:
-            return None  # its slowest replica is already no faster: it cannot be taken
-    return out
+    where = search(prep.s, replicas, seed)
+    position = np.empty(prep.n, dtype=np.int64)
+    position[prep.order] = np.arange(prep.n)
+    docs: list[list[int]] = [[] for _ in placement]
+    for i, r in enumerate(where):
+        docs[r].append(int(position[i]))
+    try:
+        out = pack_and_price(cm, pool_tables, prep, placement, [sorted(d) for d in docs])
+    except PlanningError:
+        return None
+    return out if max(r.time_s for r in out) < beat else None

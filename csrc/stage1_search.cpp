@@ -1,33 +1,98 @@
-// Stage 1 (balance): sequences onto heterogeneous replicas, minimising the largest
-// stage-1 estimate. Greedy by decreasing length (one heap per replica type; several
-// starts that keep long sequences off pipeline replicas), each followed by a
-// local search of moves, swaps and ejection chains off the critical replica, then
-// iterated local search (seeded random kicks from the best solution).
-// Mirrors dcp_ext/assign/ref_balance.py operation for operation (same results).
-#include "assign_kernels.hpp"
+// Stage 1 by search in C++: the iterated local search of
+// dcp_ext/planning/planners/stage1_search.py (its module docstring holds the model and the
+// algorithm, with every tie rule), operation for operation, so both return the same
+// assignment. The side plan (planners/side_plan.py) runs it on the leading candidate.
+//
+// Why it exists: restarts of a local search over a batch's documents are too slow in
+// Python to run every iteration. FP contraction is off (setup.py), so a*b+c is never fused
+// differently from Python's evaluation.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
-namespace dcp {
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
 namespace {
 
-struct Type {
-  Params p;
-  std::vector<int> reps;
+constexpr double kRelTol = 1e-12;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int64_t kKickMin = 2, kKickSpread = 3;
+
+struct Params {  // stage1_search.ReplicaCost
+  double a, b, c, o;
+  int64_t pp, longest, cap_mb;
+  int64_t cap() const { return std::min(longest, cap_mb); }
+  bool operator==(const Params& x) const {
+    return a == x.a && b == x.b && c == x.c && o == x.o && pp == x.pp && longest == x.longest && cap_mb == x.cap_mb;
+  }
 };
 
-std::vector<Type> replica_types(const std::vector<Params>& params) {
-  std::vector<Type> out;
-  for (int r = 0; r < static_cast<int>(params.size()); ++r) {
-    bool found = false;
-    for (auto& t : out) {
-      if (t.p == params[r]) {
-        t.reps.push_back(r);
-        found = true;
-        break;
-      }
-    }
-    if (!found) out.push_back(Type{params[r], {r}});
+double seq_cost(const Params& p, int64_t s) {
+  const double x = static_cast<double>(s);
+  return p.a * x * x + p.b * x + p.c;
+}
+
+double estimate(const Params& p, double W, int64_t T, double m, int64_t n) {
+  if (n == 0) return 0.0;
+  const double o = p.o;
+  const int64_t q = p.pp - 1;
+  const int64_t v0 = (T + p.cap_mb - 1) / p.cap_mb;
+  if (q == 0) return W + o * static_cast<double>(v0);
+  const double dq = static_cast<double>(q);
+  const double vk = m > 0.0 ? W / m : 0.0;
+  const double vc = o > 0.0 ? std::min(std::sqrt(dq * W / o), vk) : vk;
+  const int64_t f = vc < static_cast<double>(n) ? static_cast<int64_t>(std::floor(vc)) : n;
+  double best = kInf;
+  for (int64_t v : {f, f + 1}) {
+    v = std::min(std::max(v, v0), n);
+    const double dv = static_cast<double>(v);
+    const double val = dv * o + dq * std::max(W / dv, m);
+    if (val < best) best = val;
   }
-  return out;
+  return W + dq * o + best;
+}
+
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next_below(uint64_t n) {
+    state += 0x9E3779B97F4A7C15ULL;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return (z ^ (z >> 31)) % n;
+  }
+};
+
+// A document in a replica: members are kept sorted by (length desc, index asc).
+struct Item {
+  int64_t len, idx;
+};
+bool item_before(const Item& x, const Item& y) { return x.len > y.len || (x.len == y.len && x.idx < y.idx); }
+void insert_sorted(std::vector<Item>& v, Item it) { v.insert(std::lower_bound(v.begin(), v.end(), it, item_before), it); }
+int64_t first_at_most(const std::vector<Item>& v, int64_t x) {
+  return std::partition_point(v.begin(), v.end(), [x](const Item& it) { return it.len > x; }) - v.begin();
+}
+
+// Smallest p in [lo, hi) with A(p) >= B(p), else hi; A then B evaluated, as in Python.
+template <class FA, class FB>
+int64_t crossing(FA&& A, FB&& B, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    const double a = A(mid);
+    const double b = B(mid);
+    if (a >= b)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
 }
 
 struct State {
@@ -35,91 +100,60 @@ struct State {
   std::vector<int64_t> T;
   std::vector<std::vector<Item>> mem;
   explicit State(size_t R) : W(R, 0.0), mx(R, 0.0), est(R, 0.0), T(R, 0), mem(R) {}
-};
 
-// Min-heap of (estimate, replica); only its top ever changes (and only upwards).
-struct Heap {
-  std::vector<std::pair<double, int>> h;
-  static bool less(const std::pair<double, int>& x, const std::pair<double, int>& y) {
-    return x.first < y.first || (x.first == y.first && x.second < y.second);
-  }
-  void replace_top(std::pair<double, int> v) {
-    size_t i = 0, n = h.size();
-    for (;;) {
-      size_t l = 2 * i + 1, r = l + 1, m = i;
-      const std::pair<double, int>* best = &v;
-      if (l < n && less(h[l], *best)) m = l, best = &h[l];
-      if (r < n && less(h[r], *best)) m = r, best = &h[r];
-      if (m == i) break;
-      h[i] = h[m];
-      i = m;
+  void recompute(const std::vector<Params>& P) {
+    for (size_t r = 0; r < P.size(); ++r) {
+      double w = 0.0;
+      int64_t t = 0;
+      for (const Item& it : mem[r]) {
+        w += seq_cost(P[r], it.len);
+        t += it.len;
+      }
+      W[r] = w;
+      T[r] = t;
+      mx[r] = mem[r].empty() ? 0.0 : seq_cost(P[r], mem[r][0].len);
+      est[r] = estimate(P[r], w, t, mx[r], static_cast<int64_t>(mem[r].size()));
     }
-    h[i] = v;
   }
+  double largest() const { return est.empty() ? 0.0 : *std::max_element(est.begin(), est.end()); }
 };
 
-// Items arrive sorted by (length desc, index asc), so members come out sorted too. The
-// choices are recorded first and the member lists filled at their exact sizes afterwards.
-// theta > 0: pipeline replicas (pp > 1) refuse sequences longer than theta unless no
-// replica with pp == 1 can hold them.
-State greedy(const std::vector<Params>& params, const std::vector<Type>& types, const std::vector<Item>& order,
-             int64_t theta) {
-  State st(params.size());
-  std::vector<Heap> heaps(types.size());
-  std::vector<int64_t> caps(types.size());
-  int64_t flat_cap = 0;
-  for (size_t t = 0; t < types.size(); ++t) {
-    for (int r : types[t].reps) heaps[t].h.emplace_back(0.0, r);
-    caps[t] = types[t].p.cap();
-    if (types[t].p.pp == 1) flat_cap = std::max(flat_cap, caps[t]);
+// The greedy: a min-heap of (estimate, replica) per group of equal replicas.
+State greedy(const std::vector<Params>& P, const std::vector<Item>& order) {
+  std::vector<Params> types;
+  std::vector<std::vector<std::pair<double, int>>> heaps;
+  for (int r = 0; r < static_cast<int>(P.size()); ++r) {
+    const size_t t = std::find(types.begin(), types.end(), P[r]) - types.begin();
+    if (t == types.size()) types.push_back(P[r]), heaps.emplace_back();
+    heaps[t].emplace_back(0.0, r);
   }
-  std::vector<int64_t> count(params.size(), 0);
-  std::vector<int32_t> choice(order.size());
-  for (size_t k = 0; k < order.size(); ++k) {
-    const int64_t s = order[k].len;
+  const auto heap_after = [](const std::pair<double, int>& x, const std::pair<double, int>& y) { return y < x; };
+  State st(P.size());
+  for (const Item& it : order) {
+    const int64_t s = it.len;
     double best_val = kInf, best_c = 0.0, best_m = 0.0;
     int best_r = -1;
     size_t best_t = 0;
     for (size_t t = 0; t < types.size(); ++t) {
-      if (s > caps[t]) continue;
-      if (theta > 0 && types[t].p.pp > 1 && s > theta && s <= flat_cap) continue;
-      const int r = heaps[t].h[0].second;
-      const Params& p = types[t].p;
-      const double c = seq_cost(p, s);
+      if (s > types[t].cap()) continue;
+      const int r = heaps[t].front().second;
+      const double c = seq_cost(types[t], s);
       const double m2 = c > st.mx[r] ? c : st.mx[r];
-      const double val = estimate(p, st.W[r] + c, st.T[r] + s, m2, count[r] + 1);
-      if (val < best_val || (val == best_val && r < best_r)) {
-        best_val = val, best_r = r, best_t = t, best_c = c, best_m = m2;
-      }
+      const double val = estimate(types[t], st.W[r] + c, st.T[r] + s, m2, static_cast<int64_t>(st.mem[r].size()) + 1);
+      if (val < best_val || (val == best_val && r < best_r)) best_val = val, best_r = r, best_t = t, best_c = c, best_m = m2;
     }
     const int r = best_r;
     st.W[r] += best_c;
     st.T[r] += s;
     st.mx[r] = best_m;
     st.est[r] = best_val;
-    ++count[r];
-    choice[k] = r;
-    heaps[best_t].replace_top({best_val, r});
+    st.mem[r].push_back(it);  // items arrive in member order
+    auto& h = heaps[best_t];  // heapq.heapreplace
+    std::pop_heap(h.begin(), h.end(), heap_after);
+    h.back() = {best_val, r};
+    std::push_heap(h.begin(), h.end(), heap_after);
   }
-  for (size_t r = 0; r < params.size(); ++r) st.mem[r].reserve(count[r]);
-  for (size_t k = 0; k < order.size(); ++k) st.mem[choice[k]].push_back(order[k]);
   return st;
-}
-
-void recompute(State& st, const std::vector<Params>& params) {
-  for (size_t r = 0; r < params.size(); ++r) {
-    const Params& p = params[r];
-    double W = 0.0;
-    int64_t T = 0;
-    for (const Item& it : st.mem[r]) {
-      W += seq_cost(p, it.len);
-      T += it.len;
-    }
-    st.W[r] = W;
-    st.T[r] = T;
-    st.mx[r] = st.mem[r].empty() ? 0.0 : seq_cost(p, st.mem[r][0].len);
-    st.est[r] = estimate(p, W, T, st.mx[r], static_cast<int64_t>(st.mem[r].size()));
-  }
 }
 
 struct Step {
@@ -129,9 +163,9 @@ struct Step {
   double a = 0.0, b = 0.0;
 };
 
-class Search {
+class Improve {
  public:
-  Search(State& st, const std::vector<Params>& P, int64_t budget) : st_(st), P_(P), budget_(budget) {
+  Improve(State& st, const std::vector<Params>& P, int64_t budget) : st_(st), P_(P), budget_(budget) {
     for (const auto& p : P) caps_.push_back(p.cap());
   }
 
@@ -163,8 +197,6 @@ class Search {
     return st_.mem[r].size() > 1 ? seq_cost(P_[r], st_.mem[r][1].len) : 0.0;
   }
 
-  // Depth-2 ejection: move a sequence off c to r (overloading r), then the best move or
-  // swap off r to a third replica; applied when both end below thr.
   bool chain(int c, double thr) {
     const Params& pc = P_[c];
     auto& memc = st_.mem[c];
@@ -232,10 +264,7 @@ class Search {
           const double a = A(p);
           const double b = B(p);
           const double val = a > b ? a : b;
-          if (val < best_val) {
-            best_val = val;
-            best = Step{true, false, r, p, -1, a, b};
-          }
+          if (val < best_val) best_val = val, best = Step{true, false, r, p, -1, a, b};
         }
       }
     }
@@ -282,10 +311,7 @@ class Search {
             const double a = A(p);
             const double b = B(p);
             const double val = a > b ? a : b;
-            if (val < best_val) {
-              best_val = val;
-              best = Step{true, true, r, p, q, a, b};
-            }
+            if (val < best_val) best_val = val, best = Step{true, true, r, p, q, a, b};
           }
         }
       }
@@ -332,32 +358,8 @@ class Search {
   int64_t evals_ = 0;
 };
 
-double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
-
-constexpr int64_t kKickMin = 2, kKickSpread = 3;  // restart k kicks with kKickMin + k % kKickSpread moves
-// Greedy start k caps the sequences pipeline replicas take at this length quantile (1.0: no cap).
-constexpr double kStartQuantiles[] = {1.0, 0.95, 0.85, 0.75, 0.65, 0.5, 0.35};
-
-std::vector<int64_t> start_thresholds(const std::vector<Item>& order, const std::vector<Params>& params,
-                                      int64_t starts) {
-  std::vector<int64_t> out{0};
-  bool pipe = false, flat = false;
-  for (const auto& p : params) (p.pp > 1 ? pipe : flat) = true;
-  const int64_t n = static_cast<int64_t>(order.size());
-  if (n == 0 || !pipe || !flat) return out;
-  const int64_t nq = static_cast<int64_t>(sizeof(kStartQuantiles) / sizeof(double));
-  for (int64_t k = 1; k < std::min(starts, nq); ++k) {
-    const int64_t pos = std::min(n - 1, static_cast<int64_t>(kStartQuantiles[k] * static_cast<double>(n)));
-    const int64_t theta = order[n - 1 - pos].len;  // order is by length descending
-    if (theta < order[0].len && std::find(out.begin(), out.end(), theta) == out.end()) out.push_back(theta);
-  }
-  return out;
-}
-
-// `moves` random moves (a random sequence to a random other replica that can hold it).
-void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& params, SplitMix64& rng,
-          int64_t moves) {
-  const int64_t R = static_cast<int64_t>(params.size());
+void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& P, SplitMix64& rng, int64_t moves) {
+  const int64_t R = static_cast<int64_t>(P.size());
   std::vector<int64_t> where(n, 0);
   for (int64_t r = 0; r < R; ++r)
     for (const Item& it : st.mem[r]) where[it.idx] = r;
@@ -366,63 +368,66 @@ void kick(State& st, const int64_t* len, int64_t n, const std::vector<Params>& p
     const int64_t r = where[i];
     int64_t t = static_cast<int64_t>(rng.next_below(static_cast<uint64_t>(R - 1)));
     if (t >= r) ++t;
-    if (len[i] > params[t].cap()) continue;
+    if (len[i] > P[t].cap()) continue;
     const Item it{len[i], i};
     auto& from = st.mem[r];
     from.erase(std::lower_bound(from.begin(), from.end(), it, item_before));
     insert_sorted(st.mem[t], it);
     where[i] = t;
   }
-  recompute(st, params);
+  st.recompute(P);
+}
+
+std::vector<int64_t> search(const int64_t* len, int64_t n, const std::vector<Params>& P, uint64_t seed,
+                            int64_t restarts, int64_t budget) {
+  std::vector<Item> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = Item{len[i], i};
+  std::stable_sort(order.begin(), order.end(), item_before);
+  State best = greedy(P, order);
+  best.recompute(P);
+  Improve(best, P, budget).run();
+  best.recompute(P);
+  double best_ms = best.largest();
+  SplitMix64 rng{seed};
+  if (P.size() > 1 && n > 0) {
+    for (int64_t k = 0; k < restarts; ++k) {
+      State cur = best;
+      kick(cur, len, n, P, rng, kKickMin + k % kKickSpread);
+      Improve(cur, P, budget).run();
+      cur.recompute(P);
+      const double ms = cur.largest();
+      if (ms <= best_ms) best = std::move(cur), best_ms = ms;
+    }
+  }
+  std::vector<int64_t> assignment(n, 0);
+  for (size_t r = 0; r < P.size(); ++r)
+    for (const Item& it : best.mem[r]) assignment[it.idx] = static_cast<int64_t>(r);
+  return assignment;
+}
+
+using LenArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+py::list stage1_search(const LenArray& lengths, const py::sequence& replicas, uint64_t seed, int64_t restarts,
+                       int64_t budget) {
+  std::vector<Params> P;
+  for (const auto& h : replicas) {
+    const py::tuple t = py::reinterpret_borrow<py::object>(h).cast<py::tuple>();
+    if (t.size() != 7) throw py::value_error("a replica's costs are a 7-tuple (stage1_search.ReplicaCost)");
+    P.push_back(Params{t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>(), t[3].cast<double>(),
+                       t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<int64_t>()});
+  }
+  if (P.empty()) throw py::value_error("no replicas given");
+  std::vector<int64_t> out;
+  {
+    py::gil_scoped_release nogil;
+    out = search(lengths.data(), lengths.size(), P, seed, restarts, budget);
+  }
+  return py::cast(out);
 }
 
 }  // namespace
 
-BalanceOut balance(const int64_t* len, int64_t n, const std::vector<Params>& params, uint64_t seed, int64_t restarts,
-                   bool local_search, int64_t budget, int64_t starts) {
-  const std::vector<Type> types = replica_types(params);
-  const std::vector<Item> order = sorted_items(len, n);
-  State best(params.size());
-  double best_ms = 0.0, greedy_ms = 0.0;
-  bool have = false;
-  for (int64_t theta : start_thresholds(order, params, starts)) {
-    State st = greedy(params, types, order, theta);
-    recompute(st, params);
-    if (!have) greedy_ms = max_of(st.est);
-    if (local_search) {
-      Search(st, params, budget).run();
-      recompute(st, params);
-    }
-    if (!have || max_of(st.est) < best_ms) {
-      best_ms = max_of(st.est);
-      best = std::move(st);
-      have = true;
-    }
-  }
-  SplitMix64 rng(seed);
-  if (params.size() > 1 && n > 0) {
-    for (int64_t k = 0; k < restarts; ++k) {
-      State cur = best;
-      kick(cur, len, n, params, rng, kKickMin + k % kKickSpread);
-      if (local_search) {
-        Search(cur, params, budget).run();
-        recompute(cur, params);
-      }
-      const double ms = max_of(cur.est);
-      if (ms <= best_ms) {
-        best = std::move(cur);
-        best_ms = ms;
-      }
-    }
-  }
-  BalanceOut out;
-  out.assignment.assign(n, 0);
-  for (size_t r = 0; r < params.size(); ++r)
-    for (const Item& it : best.mem[r]) out.assignment[it.idx] = static_cast<int64_t>(r);
-  out.est = best.est;
-  out.makespan = best_ms;
-  out.greedy_makespan = greedy_ms;
-  return out;
+void register_stage1_search(py::module_& m) {
+  m.def("stage1_search", &stage1_search, py::arg("lengths"), py::arg("replicas"), py::arg("seed"),
+        py::arg("restarts"), py::arg("budget"));
 }
-
-}  // namespace dcp

@@ -1,73 +1,139 @@
-"""Stage 1 (balance) in pure Python: the reference the C++ kernel must equal bit for bit.
+"""Stage 1 by search: the leading candidate's documents handed out again by an iterated local
+search, the Python reference of the C++ kernel `stage1_search` (csrc/stage1_search.cpp).
 
-Scheduling on unrelated machines with eligibility: each sequence goes to one replica so
-that the largest stage-1 estimate (model.estimate) is smallest.
+Why a module of its own: stage 1 (`stage1`) is one greedy pass and a short move-and-swap
+polish, fast enough for every candidate. On the leading candidate the side plan
+(`side_plan`) spends more: this search. It wins where a few documents must be split very
+evenly over equal replicas (0.009-0.21% of predicted time on 5 of the pinned plans). The
+kernel and this reference return the same assignment, bit for bit; every float expression
+keeps the operation order of the C++.
 
-  starts   the greedy runs once per start, each followed by the local search; start k >= 1
-           lets pipeline replicas (pp > 1) take only sequences up to the START_QUANTILES[k]
-           length quantile (unless no pp == 1 replica holds them): a pipeline replica pays
-           (pp-1) x its largest micro-batch, and largest-first greedy hands it long
-           sequences the search cannot trade back one at a time. Best start wins.
-  greedy   sequences by decreasing length (ties: lower index). Replicas with identical
-           parameters form a type; within a type the candidate is the replica with the
-           smallest estimate (ties: lower index), across types the one whose estimate
-           after adding the sequence is smallest (ties: lower replica index).
-  improve  local search on the critical replica c (largest estimate, ties: lower index):
-           the best move of one of its sequences to another replica, else the best swap,
-           accepted when max(new est of c, new est of the other) < est of c by a relative
-           1e-12. Both sides of that max are monotone in the moved length, so each
-           (target replica[, swapped-in length]) is a binary search over c's sequences
-           sorted by (length desc, index asc). When neither exists, an ejection chain:
-           the first move c -> r (r ascending, lengths descending) that lowers c below
-           the threshold and after which the best move or swap off r to a third replica
-           brings r below it too. Every estimate evaluated counts against `budget`, which
-           bounds the work deterministically.
-  restarts iterated local search: restart k copies the best solution so far, makes
-           2 + k % 3 random moves (SplitMix64(seed): a sequence index, then another
-           replica; skipped if it cannot hold the sequence), runs the local search and
-           replaces the best when its makespan is not larger (plateaus are walked).
-Costs are recomputed from scratch for the final estimates, so float drift of the
-incremental sums never reaches the result.
+The model, per replica, in seconds per pipeline stage (`ReplicaCost`):
+    a document of s tokens costs a*s*s + b*s + c; a micro-batch adds o;
+    the estimate of a replica is a lower bound of its time over every packing of its
+    documents (W: their summed cost, T: their tokens, m: the largest cost, n: their count,
+    q = pp - 1, v0 = ceil(T / cap)):  W + q*o + min over v0 <= v <= n of v*o + q*max(W/v, m),
+    W + o*v0 for q == 0. The bracket is convex in v, so the floor and ceiling of its real
+    minimiser min(sqrt(q*W/o), W/m), clamped to [v0, n], are all that is tried.
+
+The search, minimising the largest estimate:
+    greedy   documents longest first (ties: lower index); within a group of equal replicas
+             the one with the smallest estimate, across groups the one whose estimate after
+             taking the document is smallest (ties: lower replica index);
+    improve  on the replica with the largest estimate (ties: lower index): the best move of
+             one of its documents to another replica, else the best swap, taken when the
+             larger of the two new estimates is below the old by a relative 1e-12. Both sides
+             are monotone in the moved length, so each target is a binary search over the
+             documents sorted by (length desc, index asc). When neither exists, a depth-2
+             ejection: the first move off it that brings it below and after which a move or
+             swap off the receiving replica to a third brings that one below too. Every
+             estimate counts against `budget`;
+    restarts restart k copies the best assignment, makes 2 + k % 3 random moves
+             (SplitMix64(seed): a document, then another replica; skipped when that cannot
+             hold it), improves, and keeps the result when its largest estimate is not larger.
 """
 from __future__ import annotations
 
 import heapq
 import math
 from bisect import bisect_left, insort
+from typing import NamedTuple, Sequence
 
-from .model import estimate, seq_cost
-from .rng import SplitMix64
+import numpy as np
 
-PERTURB = 0.3  # pack restarts order by length * (1 + PERTURB * u)
-REL_TOL = 1e-12
-KICK_MIN, KICK_SPREAD = 2, 3  # restart k kicks with KICK_MIN + k % KICK_SPREAD random moves
-# Greedy start k caps the sequences pipeline replicas take at this length quantile (1.0: no cap).
-START_QUANTILES = (1.0, 0.95, 0.85, 0.75, 0.65, 0.5, 0.35)
+from dcp_ext.kernels import kernel
 
-
-def replica_types(params: list[tuple]) -> list[tuple[tuple, list[int]]]:
-    """Replicas with identical parameters, grouped in order of first appearance."""
-    index: dict[tuple, int] = {}
-    out: list[tuple[tuple, list[int]]] = []
-    for r, p in enumerate(params):
-        if p not in index:
-            index[p] = len(out)
-            out.append((p, []))
-        out[index[p]][1].append(r)
-    return out
+REL_TOL = 1e-12  # a step must gain this fraction of the largest estimate
+KICK_MIN, KICK_SPREAD = 2, 3  # restart k makes KICK_MIN + k % KICK_SPREAD random moves
+MASK64 = (1 << 64) - 1
 
 
-def sorted_order(lengths: list[int]) -> list[int]:
-    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+class ReplicaCost(NamedTuple):
+    """One replica as the search prices it (module docstring); field order as the kernel reads it."""
+
+    a: float  # per document, times its length squared
+    b: float  # per token
+    c: float  # per document
+    o: float  # per micro-batch
+    pp: int
+    longest: int  # the longest document it holds
+    cap: int  # tokens of one micro-batch
 
 
-def perturbed_order(lengths: list[int], rng: SplitMix64) -> list[int]:
-    keys = [lengths[i] * (1.0 + PERTURB * rng.next_double()) for i in range(len(lengths))]
-    return sorted(range(len(lengths)), key=lambda i: (-keys[i], i))
+def restarts_for(n: int) -> int:
+    """Restarts for a batch of n documents: many for small batches, none for large ones."""
+    return 16 if n <= 100 else 4 if n <= 1000 else 0
+
+
+def budget_for(n: int) -> int:
+    """Estimates one local search may evaluate (a deterministic bound on its work)."""
+    return 10_000 + n
+
+
+def search(lengths: np.ndarray, replicas: Sequence[ReplicaCost], seed: int) -> list[int]:
+    """The replica of each document (`lengths`, in batch order): the kernel where built,
+    else `reference`; both with `restarts_for` and `budget_for` the batch's size."""
+    n = len(lengths)
+    run = kernel("stage1_search")
+    params = [tuple(r) for r in replicas]
+    seed = int(seed) & MASK64
+    if run is not None:
+        return run(np.asarray(lengths, dtype=np.int64), params, seed, restarts_for(n), budget_for(n))
+    return reference([int(x) for x in lengths], params, seed, restarts_for(n), budget_for(n))
+
+
+# ---- the arithmetic (the operation order of csrc/stage1_search.cpp)
+
+def seq_cost(p: tuple, s: int) -> float:
+    x = float(s)
+    return p[0] * x * x + p[1] * x + p[2]
+
+
+def estimate(p: tuple, W: float, T: int, m: float, n: int) -> float:
+    """The lower bound of the module docstring; 0 for an empty replica."""
+    if n == 0:
+        return 0.0
+    o = p[3]
+    q = p[4] - 1
+    cap = p[6]
+    v0 = (T + cap - 1) // cap
+    if q == 0:
+        return W + o * v0
+    vk = W / m if m > 0.0 else 0.0
+    vc = min(math.sqrt(q * W / o), vk) if o > 0.0 else vk
+    f = math.floor(vc) if vc < n else n
+    best = math.inf
+    for v in (f, f + 1):
+        v = min(max(v, v0), n)
+        val = v * o + q * max(W / v, m)
+        if val < best:
+            best = val
+    return W + q * o + best
+
+
+class SplitMix64:
+    """The random generator the kernel also writes, so that seeded runs agree."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & MASK64
+
+    def next_below(self, n: int) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        return (z ^ (z >> 31)) % n
+
+
+# ---- the search
+
+def cap_of(p: tuple) -> int:
+    return min(p[5], p[6])
 
 
 class State:
-    """Per-replica aggregates; members sorted by (length desc, index asc) as (-len, idx)."""
+    """Per replica: summed cost W, tokens T, largest cost mx, estimate est, and its members
+    as (-length, index), sorted."""
 
     def __init__(self, params: list[tuple]) -> None:
         R = len(params)
@@ -78,21 +144,37 @@ class State:
         self.est = [0.0] * R
         self.mem: list[list[tuple[int, int]]] = [[] for _ in range(R)]
 
+    def copy(self) -> "State":
+        out = State(self.params)
+        out.W, out.T, out.mx, out.est = list(self.W), list(self.T), list(self.mx), list(self.est)
+        out.mem = [list(m) for m in self.mem]
+        return out
 
-def greedy(lengths: list[int], params: list[tuple], types, order: list[int], theta: int = 0) -> State:
-    """theta > 0: pipeline replicas (pp > 1) refuse sequences longer than theta unless no
-    replica with pp == 1 can hold them."""
+    def recompute(self) -> None:
+        """Exact aggregates from the members (sums in member order), so no drift of the
+        incremental sums reaches the result."""
+        for r, p in enumerate(self.params):
+            W, T = 0.0, 0
+            for neg, _ in self.mem[r]:
+                W += seq_cost(p, -neg)
+                T += -neg
+            self.W[r], self.T[r] = W, T
+            self.mx[r] = seq_cost(p, -self.mem[r][0][0]) if self.mem[r] else 0.0
+            self.est[r] = estimate(p, W, T, self.mx[r], len(self.mem[r]))
+
+
+def greedy(lengths: list[int], params: list[tuple]) -> State:
     st = State(params)
+    groups: dict[tuple, list[int]] = {}
+    for r, p in enumerate(params):
+        groups.setdefault(p, []).append(r)
+    types = list(groups.items())
     heaps = [[(0.0, r) for r in reps] for _, reps in types]
-    caps = [min(p[5], p[6]) for p, _ in types]
-    flat_cap = max([caps[t] for t, (p, _) in enumerate(types) if p[4] == 1], default=0)
-    for i in order:
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         s = lengths[i]
         best_val, best_r, best_t, best_c, best_m = math.inf, -1, -1, 0.0, 0.0
         for t, (p, _) in enumerate(types):
-            if s > caps[t]:
-                continue
-            if theta > 0 and p[4] > 1 and s > theta and s <= flat_cap:
+            if s > cap_of(p):
                 continue
             r = heaps[t][0][1]
             c = seq_cost(p, s)
@@ -112,25 +194,13 @@ def greedy(lengths: list[int], params: list[tuple], types, order: list[int], the
     return st
 
 
-def recompute(st: State) -> None:
-    """Exact aggregates from the member lists (sums in member order)."""
-    for r, p in enumerate(st.params):
-        W, T = 0.0, 0
-        for neg, _ in st.mem[r]:
-            W += seq_cost(p, -neg)
-            T += -neg
-        st.W[r], st.T[r] = W, T
-        st.mx[r] = seq_cost(p, -st.mem[r][0][0]) if st.mem[r] else 0.0
-        st.est[r] = estimate(p, W, T, st.mx[r], len(st.mem[r]))
-
-
 def first_at_most(mem: list[tuple[int, int]], x: int) -> int:
-    """First position whose length is <= x (members sorted by length desc)."""
+    """The first member no longer than x."""
     return bisect_left(mem, (-x, -1))
 
 
 def crossing(A, B, lo: int, hi: int) -> int:
-    """Smallest p in [lo, hi) with A(p) >= B(p) (A non-decreasing, B non-increasing), else hi."""
+    """The smallest p in [lo, hi) with A(p) >= B(p) (A non-decreasing, B non-increasing), else hi."""
     while lo < hi:
         mid = (lo + hi) // 2
         if A(mid) >= B(mid):
@@ -140,14 +210,14 @@ def crossing(A, B, lo: int, hi: int) -> int:
     return lo
 
 
-class _Search:
-    """One local-search run; `evals` counts estimate evaluations against `budget`."""
+class Improve:
+    """One local search ("improve" in the module docstring) on a state, within its budget."""
 
     def __init__(self, st: State, budget: int) -> None:
         self.st = st
         self.budget = budget
         self.evals = 0
-        self.caps = [min(p[5], p[6]) for p in st.params]
+        self.caps = [cap_of(p) for p in st.params]
 
     def est(self, p, W, T, m, n) -> float:
         self.evals += 1
@@ -177,8 +247,6 @@ class _Search:
                 return
 
     def chain(self, c: int, thr: float) -> bool:
-        """Depth-2 ejection: move a sequence off c to r (overloading r), then the best
-        move or swap off r to a third replica; applied when both end below thr."""
         st = self.st
         pc, memc = st.params[c], st.mem[c]
         nc = len(memc)
@@ -267,7 +335,7 @@ class _Search:
                     return best
                 if lj > self.caps[c]:
                     continue
-                hi = first_at_most(memc, lj)  # c's sequences longer than lj
+                hi = first_at_most(memc, lj)  # c's documents longer than lj
                 if lo >= hi:
                     continue
                 cj_c = seq_cost(pc, lj)
@@ -295,9 +363,9 @@ class _Search:
                             best_val, best = val, ("swap", r, p, q, a, b)
         return best
 
-    def apply(self, c: int, best) -> None:
+    def apply(self, c: int, step) -> None:
         st = self.st
-        kind, r, p, q, a, b = best
+        kind, r, p, q, a, b = step
         pc, pr = st.params[c], st.params[r]
         neg_i, i = st.mem[c][p]
         li = -neg_i
@@ -324,15 +392,8 @@ class _Search:
         st.est[c], st.est[r] = a, b
 
 
-def clone(st: State) -> State:
-    out = State(st.params)
-    out.W, out.T, out.mx, out.est = list(st.W), list(st.T), list(st.mx), list(st.est)
-    out.mem = [list(m) for m in st.mem]
-    return out
-
-
 def kick(st: State, lengths: list[int], rng: SplitMix64, moves: int) -> None:
-    """`moves` random moves (a random sequence to a random other replica that can hold it)."""
+    """`moves` random moves: a random document to a random other replica that can hold it."""
     R, n = len(st.params), len(lengths)
     where = [0] * n
     for r, mem in enumerate(st.mem):
@@ -344,53 +405,30 @@ def kick(st: State, lengths: list[int], rng: SplitMix64, moves: int) -> None:
         t = rng.next_below(R - 1)
         if t >= r:
             t += 1
-        if lengths[i] > min(st.params[t][5], st.params[t][6]):
+        if lengths[i] > cap_of(st.params[t]):
             continue
         del st.mem[r][bisect_left(st.mem[r], (-lengths[i], i))]
         insort(st.mem[t], (-lengths[i], i))
         where[i] = t
-    recompute(st)
+    st.recompute()
 
 
-def start_thresholds(lengths: list[int], params: list[tuple], starts: int) -> list[int]:
-    """Length caps for pipeline replicas, one per greedy start (0: none), duplicates dropped."""
-    out = [0]
-    if not lengths or not any(p[4] > 1 for p in params) or not any(p[4] == 1 for p in params):
-        return out
-    asc = sorted(lengths)
-    n = len(asc)
-    for f in START_QUANTILES[1:starts]:
-        theta = asc[min(n - 1, int(f * n))]
-        if theta < asc[-1] and theta not in out:
-            out.append(theta)
-    return out
-
-
-def balance(lengths: list[int], params: list[tuple], seed: int, restarts: int,
-            local_search: bool, budget: int, starts: int = 1):
-    """-> (assignment list, estimates list, makespan, greedy makespan of the first start)."""
+def reference(lengths: list[int], params: list[tuple], seed: int, restarts: int, budget: int) -> list[int]:
+    """The search of the module docstring: the replica of each document. Every document
+    must fit some replica (`longest`, `cap`); the caller checks."""
     n = len(lengths)
-    types = replica_types(params)
-    order = sorted_order(lengths)
-    best, best_ms, greedy_ms = None, 0.0, 0.0
-    for theta in start_thresholds(lengths, params, starts):
-        st = greedy(lengths, params, types, order, theta)
-        recompute(st)
-        if best is None:
-            greedy_ms = max(st.est)
-        if local_search:
-            _Search(st, budget).run()
-            recompute(st)
-        if best is None or max(st.est) < best_ms:
-            best, best_ms = st, max(st.est)
+    best = greedy(lengths, params)
+    best.recompute()
+    Improve(best, budget).run()
+    best.recompute()
+    best_ms = max(best.est)
     rng = SplitMix64(seed)
     if len(params) > 1 and n > 0:
         for k in range(restarts):
-            cur = clone(best)
+            cur = best.copy()
             kick(cur, lengths, rng, KICK_MIN + k % KICK_SPREAD)
-            if local_search:
-                _Search(cur, budget).run()
-                recompute(cur)
+            Improve(cur, budget).run()
+            cur.recompute()
             ms = max(cur.est)
             if ms <= best_ms:
                 best, best_ms = cur, ms
@@ -398,4 +436,4 @@ def balance(lengths: list[int], params: list[tuple], seed: int, restarts: int,
     for r, mem in enumerate(best.mem):
         for _, i in mem:
             assignment[i] = r
-    return assignment, list(best.est), best_ms, greedy_ms
+    return assignment
