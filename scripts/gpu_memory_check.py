@@ -58,14 +58,13 @@ def main(argv=None) -> int:
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
     from megatron.training.adaptive.run_config import AdaptiveRunConfig
-    from megatron.training.adaptive.run_config import cluster_for, vocab_padding_for
+    from megatron.training.adaptive.run_config import cluster_for
     from megatron.training.flags.core_configs import transformer_config_from_args
 
     args = parse_args(argv + ["--dcp", "--dcp-global-batch-tokens", str(2 * max(TOKENS))], world_size=1)
     global_vars.set_args(args)
     initialize_distributed("nccl")
-    vocab = global_vars.build_tokenizer(args).vocab_size
-    args.padded_vocab_size = vocab_padding_for(args, vocab, cluster_for(1, args))  # as a --dcp run pads it
+    global_vars.build_tokenizer(args, cluster_for(1, args))  # the vocabulary padded as a --dcp run pads it
     rep = ReplicaType(1, 1, 1, (0,))
     run_config = AdaptiveRunConfig.from_args(args, on_cpu=False)
     engine = AdaptiveEngine(

@@ -16,8 +16,11 @@ def get_args():
 _TOKENIZER = None
 
 
-def build_tokenizer(args):
-    """Megatron's global tokenizer; sets args.padded_vocab_size and args.eod_token."""
+def build_tokenizer(args, cluster=None):
+    """Megatron's global tokenizer; sets args.eod_token and args.padded_vocab_size, the one
+    place the vocabulary is padded: for every layout the planner could choose on `cluster`
+    (a --dcp run: run_config.vocab_padding_for), else for --tensor-model-parallel-size
+    (upstream's rule)."""
     global _TOKENIZER
     from dcp_ext.data.tokenizers import build_tokenizer as build, padded_vocab_size
 
@@ -28,9 +31,14 @@ def build_tokenizer(args):
         raise ArgumentError(missing_tokenizer_line(args))
     _TOKENIZER = build(tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
-    args.padded_vocab_size = padded_vocab_size(
-        _TOKENIZER.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
+    if cluster is not None:
+        from megatron.training.adaptive.run_config import vocab_padding_for
+
+        args.padded_vocab_size = vocab_padding_for(args, _TOKENIZER.vocab_size, cluster)
+    else:
+        args.padded_vocab_size = padded_vocab_size(
+            _TOKENIZER.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
     args.eod_token = _TOKENIZER.eod
     return _TOKENIZER
 

@@ -194,15 +194,15 @@ def _pretrain(args, datasets_provider, model_provider, forward_step_func, docume
 
     for note in startup_notes(args):  # what the model/kernel/precision flags do on this machine
         print_rank_0(f"> {note}")
-    global_vars.build_tokenizer(args)
     if args.dcp:
         if document_datasets_provider is None:
             raise ArgumentError("--dcp needs a document_datasets_provider (one document per sample)")
         cluster = run_config.cluster_for(args.world_size, args)  # an unknown GPU stops here, before any data
+        global_vars.build_tokenizer(args, cluster)  # the vocabulary padded for every layout on the cluster
         run = AdaptiveRun(args.seed, cluster, lambda: document_datasets_provider(args),
-                          lambda: run_config.configure(args, cluster, global_vars.get_tokenizer().vocab_size),
-                          model_provider, forward_step_func)
+                          lambda: run_config.configure(args), model_provider, forward_step_func)
     else:
+        global_vars.build_tokenizer(args)
         run = StaticRun(static_options_for(args), lambda: datasets_provider(args), model_provider, forward_step_func)
     return train_run(args, run)
 

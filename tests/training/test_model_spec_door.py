@@ -49,3 +49,22 @@ def test_exchange_slots_follow_the_overlap_the_runtime_decided():
     # on CPU ranks the runtime sets the overlap aside: the planner's model says so too
     on_cpu = AdaptiveRunConfig.from_args(args, on_cpu=True, device="meta")
     assert not on_cpu.engine.overlap and on_cpu.model.exchange_slots == 1
+
+
+def test_the_vocabulary_is_padded_once_for_every_layout_of_a_dcp_run():
+    """build_tokenizer is the one place that pads: for --tensor-model-parallel-size on the
+    static path (upstream's rule: 259 -> 384 at tp1), for every tp the planner could choose on
+    the cluster on --dcp (tp up to 8 divides the 8 heads and 4 groups only up to 4: 259 -> 512);
+    the --dcp records then read it, never pad again."""
+    from dcp_ext.planning.specs import ClusterSpec
+    from megatron.training import global_vars
+    from megatron.training.adaptive.run_config import vocab_padding_for
+
+    static = args_of(SMALL_GQA)
+    global_vars.build_tokenizer(static)
+    assert static.padded_vocab_size == 384
+    dcp = args_of(SMALL_GQA + ["--dcp"])
+    cluster = ClusterSpec.cpu_gloo(4)
+    global_vars.build_tokenizer(dcp, cluster)
+    assert dcp.padded_vocab_size == vocab_padding_for(dcp, 259, cluster) == 512
+    assert AdaptiveRunConfig.from_args(dcp, on_cpu=True).model.vocab_size == 512

@@ -10,7 +10,8 @@ writes the flags after this point.
 
 It is the door's part for `--dcp` (nothing below reads the flags): the cluster the job runs
 on (`cluster_for`), the vocabulary padded for every layout the planner could choose
-(`vocab_padding_for`), and `configure`, which `pretrain()` hands the run to call once its data
+(`vocab_padding_for`, which `global_vars.build_tokenizer` applies: the one place it is padded),
+and `configure`, which `pretrain()` hands the run to call once its data
 is read: every record of `AdaptiveRunConfig`, the iterations' `StepOptions` and the
 per-layout TransformerConfig builder among them.
 """
@@ -211,13 +212,12 @@ class AdaptiveRunConfig:
                    partial(layer_config_for, args), loss_scaling_for(args), note)
 
 
-def configure(args, cluster, vocab_size: int) -> AdaptiveRunConfig:
-    """The `--dcp` run's records once its data is read: the vocabulary padded for every
-    layout the planner could choose on `cluster` (`vocab_padding_for`; `vocab_size`: the
-    tokenizer's), then every record from the flags."""
+def configure(args) -> AdaptiveRunConfig:
+    """The `--dcp` run's records once its data is read, every one from the flags (the
+    vocabulary was padded for every layout on the cluster when the tokenizer was built:
+    `global_vars.build_tokenizer`, `vocab_padding_for`)."""
     from dcp_ext.runtime.options import default_device
 
-    args.padded_vocab_size = vocab_padding_for(args, vocab_size, cluster)
     return AdaptiveRunConfig.from_args(args, on_cpu=default_device().type == "cpu")
 
 

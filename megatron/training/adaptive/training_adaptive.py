@@ -197,8 +197,8 @@ class AdaptiveRun:
                  model_provider, forward_step_func=None):
         """`cluster`: the ClusterSpec this job runs on (`run_config.cluster_for`); `datasets()`:
         the (train, valid, test) document datasets (the entry script's provider);
-        `configure()`: the run's AdaptiveRunConfig, called once the data is read (the door
-        pads the vocabulary for every layout on `cluster` first: `run_config.configure`);
+        `configure()`: the run's AdaptiveRunConfig, called once the data is read
+        (`run_config.configure`);
         forward_step_func: the entry point's, run on every micro-batch as on the static path."""
         self.seed_value, self.cluster, self.datasets, self.configure = seed, cluster, datasets, configure
         self.model_provider, self.forward_step_func = model_provider, forward_step_func
