@@ -4,7 +4,7 @@ Why it exists: every rank builds the planner at every start of a job (before its
 iteration) and plans every iteration beside the step it overlaps, so both times are part
 of the job's; the issue asks for the build in <= 10 s at h200x64 and <= 60 s at h200x1024,
 and per-iteration planning in milliseconds. Per setting it prints, for the C++ kernels and
-for the Python reference side by side (DCP_ASSIGN_IMPL=python), the build time, the
+for the Python reference side by side (DCP_KERNELS=python), the build time, the
 median and max planning time per iteration, and the plans' mean predicted iteration time,
 which must agree. A lengths file too short for the batches is repeated in seeded shuffles.
 `--compare-planners` prints every planner's times instead; with
@@ -104,8 +104,8 @@ def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = F
     `planner`: plan with this one (built by the other engine; reset first) instead of
     building one (build time NaN); the result's "planner" is the one that planned."""
     _, model, cluster, path, tokens, max_seq = setting
-    before = os.environ.get("DCP_ASSIGN_IMPL")
-    os.environ["DCP_ASSIGN_IMPL"] = impl
+    before = os.environ.get("DCP_KERNELS")
+    os.environ["DCP_KERNELS"] = impl
     try:
         lengths = corpus(path, max_seq, tokens * iterations)
         batches = global_batches(lengths.tolist(), tokens, max_seq, count=iterations)
@@ -126,9 +126,9 @@ def engine_times(setting, impl: str, iterations: int, layer_strategies: bool = F
             predicted.append(plan.predicted_time_s)
     finally:
         if before is None:
-            os.environ.pop("DCP_ASSIGN_IMPL", None)
+            os.environ.pop("DCP_KERNELS", None)
         else:
-            os.environ["DCP_ASSIGN_IMPL"] = before
+            os.environ["DCP_KERNELS"] = before
     return dict(build=build, median=1000 * float(np.median(ts)), max=1000 * float(np.max(ts)), predicted=predicted,
                 planner=p)
 

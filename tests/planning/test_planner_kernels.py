@@ -77,9 +77,9 @@ def test_cpp_mix_dynamic_program_equals_the_reference(model, cluster, data, max_
         prep = BatchPrep(p.cm, p.tables, lengths[ids])
         lb = lower_bound(p.cm, lengths[ids].tolist(), layouts=list(p.tables))
         for num_replicas in (None, 8):
-            monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+            monkeypatch.setenv("DCP_KERNELS", "python")
             ref = best_mix_by_dynamic_program(prep, list(p.tables), world, lb, num_replicas=num_replicas)
-            monkeypatch.delenv("DCP_ASSIGN_IMPL")
+            monkeypatch.delenv("DCP_KERNELS")
             got = best_mix_by_dynamic_program(prep, list(p.tables), world, lb, num_replicas=num_replicas)
             assert got == ref
             mixes.add(ref[0])
@@ -101,9 +101,9 @@ def test_cpp_first_fit_decreasing_equals_the_reference(monkeypatch):
             sizes = sizes.tolist()  # the planner passes its lengths as a list of ints
         docs = rng.permutation(n + 10)[:n].tolist()
         cap = float(rng.choice([4096, 8192.5, 1e9]))
-        monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+        monkeypatch.setenv("DCP_KERNELS", "python")
         ref = first_fit_decreasing(docs, sizes, cap)
-        monkeypatch.delenv("DCP_ASSIGN_IMPL")
+        monkeypatch.delenv("DCP_KERNELS")
         got = first_fit_decreasing(docs, sizes, cap)
         assert got == ref
         assert sorted(d for b in got for d in b) == sorted(docs)
@@ -123,13 +123,13 @@ def test_cpp_stage2_equals_the_reference(model, cluster, data, max_seq_len, toke
         docs = stage1_module.reference(prep, counts, placement, sync, order, j_of_pos, p.move_targets, p.max_moves)
         fast = packing._pack_by_kernel(p.cm, p.pool_tables, prep, placement, docs)
         got = packing.pack_and_price(p.cm, p.pool_tables, prep, placement, docs)
-        monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+        monkeypatch.setenv("DCP_KERNELS", "python")
         ref = [packing.finish_replica(p.cm, p.pool_tables[lay], ranks, prep.s_list,
                                      packing.pack_replica(p.cm, p.pool_tables[lay], prep.s_list,
                                                          [prep.order_list[q] for q in docs[k]],
                                                          stage_cost=prep.cost_by_position(lay)), len(placement))
                for k, (lay, ranks) in enumerate(placement)]
-        monkeypatch.delenv("DCP_ASSIGN_IMPL")
+        monkeypatch.delenv("DCP_KERNELS")
         for k, (g, r) in enumerate(zip(got, ref)):
             assert (g.micro_batches, g.time_s, g.pipeline_s, g.sync_s) == (r.micro_batches, r.time_s, r.pipeline_s,
                                                                             r.sync_s), (counts, k)
@@ -168,7 +168,7 @@ def test_cpp_single_stage_pricing_equals_the_reference(model, cluster, data, max
     for i, ids in enumerate(global_batches(lengths.tolist(), tokens, max_seq_len, count=2, start=3)):
         p.plan_iteration(i, ids, lengths[ids].tolist())
     monkeypatch.setattr(packing, "_price_single_stage", real)
-    monkeypatch.setenv("DCP_ASSIGN_IMPL", "python")
+    monkeypatch.setenv("DCP_KERNELS", "python")
     priced = with_cp = 0
     for cm, tt, s, mbs, got in calls:
         ref = packing.finish_replica(cm, tt, [0], s, mbs, 1)
@@ -180,3 +180,15 @@ def test_cpp_single_stage_pricing_equals_the_reference(model, cluster, data, max
     assert priced >= 10, priced
     if model == "llama2-13b":
         assert with_cp  # the kv exchange's excess term was exercised
+
+
+def test_references_are_asked_for_by_either_name(monkeypatch):
+    """DCP_KERNELS=python runs the references; DCP_ASSIGN_IMPL=python, its old name, still does."""
+    from dcp_ext.kernels import built, kernel
+
+    for name in ("DCP_KERNELS", "DCP_ASSIGN_IMPL"):
+        monkeypatch.delenv("DCP_KERNELS", raising=False)
+        monkeypatch.delenv("DCP_ASSIGN_IMPL", raising=False)
+        assert (kernel("stage1") is not None) == built()
+        monkeypatch.setenv(name, "python")
+        assert kernel("stage1") is None

@@ -283,7 +283,7 @@ def pack_and_price(cm: CostModel, tables: dict, prep, placement, docs: list[list
 def _pack_by_kernel(cm: CostModel, tables: dict, prep, placement, docs) -> list | None:
     """The kernel pack_replicas on the placement's replicas with memory linear in tokens:
     per replica None (the Python path runs it) or (pipeline seconds, NaN on pipelines,
-    micro-batches); None where the kernel is not built (or DCP_ASSIGN_IMPL=python)."""
+    micro-batches); None where the kernel is not built (or DCP_KERNELS=python)."""
     run = kernel("pack_replicas")
     if run is None or not placement:
         return None

@@ -23,7 +23,7 @@ from dcp_ext.planning.planners.stage1_search import ReplicaCost, search
 
 def enabled(option: str) -> bool:
     """Whether to plan the side plan: "auto" where the C++ kernels are built (the Python
-    reference is slow for every iteration; with DCP_ASSIGN_IMPL=python it runs, so that the
+    reference is slow for every iteration; with DCP_KERNELS=python it runs, so that the
     plans stay those of the kernels), "on" always, "off" never."""
     if option not in ("auto", "on", "off"):
         raise ValueError(f"side_plan must be auto, on or off, not {option!r}")

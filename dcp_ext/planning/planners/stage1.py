@@ -2,7 +2,7 @@
 
 Why a module of its own: it is one job with two implementations that must agree bit for
 bit, the C++ kernel (`stage1` in csrc/planner.cpp) and its Python reference here, which runs
-where the kernels are not built or DCP_ASSIGN_IMPL=python asks for it. Stage 1a hands the
+where the kernels are not built or DCP_KERNELS=python asks for it. Stage 1a hands the
 documents out longest first, each to the replica that finishes it earliest among the types
 whose length range (from the water-filling estimate, `batch_prep.screen`) holds it or more
 capable ones; stage 1b (`rebalance`) then moves and swaps documents between replicas. What
