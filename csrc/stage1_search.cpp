@@ -192,6 +192,20 @@ class Improve {
     ++evals_;
     return estimate(p, W, T, m, n);
   }
+  // The two positions on either side of where c's side A crosses r's side B in [lo, hi):
+  // `step` at the one whose larger side is below best_val (and the lower of the two).
+  template <class FA, class FB>
+  void around_crossing(FA&& A, FB&& B, int64_t lo, int64_t hi, Step step, double& best_val, Step& best) {
+    const int64_t ps = crossing(A, B, lo, hi);
+    for (int64_t p : {ps - 1, ps}) {
+      if (lo <= p && p < hi) {
+        const double a = A(p);
+        const double b = B(p);
+        const double val = a > b ? a : b;
+        if (val < best_val) best_val = val, step.p = p, step.a = a, step.b = b, best = step;
+      }
+    }
+  }
   double max_after_removal(int r, int64_t pos) const {
     if (pos != 0) return st_.mx[r];
     return st_.mem[r].size() > 1 ? seq_cost(P_[r], st_.mem[r][1].len) : 0.0;
@@ -258,15 +272,7 @@ class Improve {
         const double m2 = cr > st_.mx[r] ? cr : st_.mx[r];
         return est(pr, st_.W[r] + cr, st_.T[r] + l, m2, nr + 1);
       };
-      const int64_t ps = crossing(A, B, lo, nc);
-      for (int64_t p : {ps - 1, ps}) {
-        if (lo <= p && p < nc) {
-          const double a = A(p);
-          const double b = B(p);
-          const double val = a > b ? a : b;
-          if (val < best_val) best_val = val, best = Step{true, false, r, p, -1, a, b};
-        }
-      }
+      around_crossing(A, B, lo, nc, Step{true, false, r, -1, -1, 0.0, 0.0}, best_val, best);
     }
     return best;
   }
@@ -305,15 +311,7 @@ class Improve {
           const double m_new = ci_r > mr_after ? ci_r : mr_after;
           return est(pr, st_.W[r] - cj_r + ci_r, st_.T[r] - lj + li, m_new, nr);
         };
-        const int64_t ps = crossing(A, B, lo, hi);
-        for (int64_t p : {ps - 1, ps}) {
-          if (lo <= p && p < hi) {
-            const double a = A(p);
-            const double b = B(p);
-            const double val = a > b ? a : b;
-            if (val < best_val) best_val = val, best = Step{true, true, r, p, q, a, b};
-          }
-        }
+        around_crossing(A, B, lo, hi, Step{true, true, r, -1, q, 0.0, 0.0}, best_val, best);
       }
     }
     return best;

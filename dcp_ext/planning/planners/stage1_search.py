@@ -223,6 +223,20 @@ class Improve:
         self.evals += 1
         return estimate(p, W, T, m, n)
 
+    @staticmethod
+    def around_crossing(A, B, lo: int, hi: int, best_val: float, best, step):
+        """The two positions on either side of where c's side A crosses r's side B in
+        [lo, hi): `step(p, a, b)` at the one whose larger side is below best_val (and the
+        lower of the two). Returns (best_val, best)."""
+        ps = crossing(A, B, lo, hi)
+        for p in (ps - 1, ps):
+            if lo <= p < hi:
+                a, b = A(p), B(p)
+                val = a if a > b else b
+                if val < best_val:
+                    best_val, best = val, step(p, a, b)
+        return best_val, best
+
     def max_after_removal(self, r: int, pos: int) -> float:
         mem = self.st.mem[r]
         if pos != 0:
@@ -307,13 +321,8 @@ class Improve:
                 m2 = cr if cr > st.mx[r] else st.mx[r]
                 return self.est(pr, st.W[r] + cr, st.T[r] + l, m2, nr + 1)
 
-            ps = crossing(A, B, lo, nc)
-            for p in (ps - 1, ps):
-                if lo <= p < nc:
-                    a, b = A(p), B(p)
-                    val = a if a > b else b
-                    if val < best_val:
-                        best_val, best = val, ("move", r, p, -1, a, b)
+            best_val, best = self.around_crossing(A, B, lo, nc, best_val, best,
+                                                  lambda p, a, b, r=r: ("move", r, p, -1, a, b))
         return best
 
     def best_swap(self, c: int, thr: float, skip: int):
@@ -354,13 +363,8 @@ class Improve:
                     m_new = ci_r if ci_r > mr_after else mr_after
                     return self.est(pr, st.W[r] - cj_r + ci_r, st.T[r] - lj + li, m_new, nr)
 
-                ps = crossing(A, B, lo, hi)
-                for p in (ps - 1, ps):
-                    if lo <= p < hi:
-                        a, b = A(p), B(p)
-                        val = a if a > b else b
-                        if val < best_val:
-                            best_val, best = val, ("swap", r, p, q, a, b)
+                best_val, best = self.around_crossing(A, B, lo, hi, best_val, best,
+                                                      lambda p, a, b, r=r, q=q: ("swap", r, p, q, a, b))
         return best
 
     def apply(self, c: int, step) -> None:
