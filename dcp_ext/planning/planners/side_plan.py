@@ -1,12 +1,13 @@
 """The side plan: the leading candidate planned a second time, its stage 1 by search.
 
-Why a module of its own: stage 1 (`stage1`) is quick enough for every candidate the
-planner plans in full. On the one that leads, this spends more on where each document goes
+Why a module of its own: stage 1 (`stage1`) is quick enough for every candidate the planner
+plans in full. On the one that leads, this spends more on where each document goes
 (`stage1_search`: an iterated local search over the replicas' estimates), then packs and
 prices the shares as every plan is (`packing.pack_and_price`); the plan that prices lower
 stays. Measured on the pinned plans (tests/planning/test_plan_digests.py) it decides 5 of
-40, by 0.009-0.21% of predicted time; at h200x1024 with 18k documents it took a third of
-the planning time and never won, hence the document budget (`side_plan_max_docs`).
+40, by 0.008-0.21% of an iteration's predicted time; at h200x1024 with 18k documents it took
+a third of the planning time and never won, hence the document budget
+(`side_plan_max_docs`).
 """
 from __future__ import annotations
 

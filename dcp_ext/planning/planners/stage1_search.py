@@ -4,9 +4,9 @@ search, the Python reference of the C++ kernel `stage1_search` (csrc/stage1_sear
 Why a module of its own: stage 1 (`stage1`) is one greedy pass and a short move-and-swap
 polish, fast enough for every candidate. On the leading candidate the side plan
 (`side_plan`) spends more: this search. It wins where a few documents must be split very
-evenly over equal replicas (0.009-0.21% of predicted time on 5 of the pinned plans). The
-kernel and this reference return the same assignment, bit for bit; every float expression
-keeps the operation order of the C++.
+evenly over equal replicas (0.008-0.21% of an iteration's predicted time on 5 of the pinned
+plans). The kernel and this reference return the same assignment, bit for bit; every float
+expression keeps the operation order of the C++.
 
 The model, per replica, in seconds per pipeline stage (`ReplicaCost`):
     a document of s tokens costs a*s*s + b*s + c; a micro-batch adds o;
