@@ -5,7 +5,7 @@ plans in full. On the one that leads, this spends more on where each document go
 (`stage1_search`: an iterated local search over the replicas' estimates), then packs and
 prices the shares as every plan is (`packing.pack_and_price`); the plan that prices lower
 stays. Measured on the pinned plans (tests/planning/test_plan_digests.py) it decides 5 of
-40, by 0.008-0.21% of an iteration's predicted time; at h200x1024 with 18k documents it took
+39, by 0.008-0.21% of an iteration's predicted time; at h200x1024 with 18k documents it took
 a third of the planning time and never won, hence the document budget
 (`side_plan_max_docs`).
 """
