@@ -102,8 +102,7 @@ def choose_plan(cm, tables: dict, placements: dict, prep: BatchPrep, layouts: li
         # the leading candidate again, its stage 1 by search; the plan that
         # prices lower stays
         i = min(plans, key=lambda i: (plans[i][0], i))
-        alt = side_plan(cm, tables, placements[est[i][1]], prep, est[i][0] / weight[i], rules.seed,
-                        beat=plans[i][0] / weight[i])
+        alt = side_plan(cm, tables, placements[est[i][1]], prep, est[i][0] / weight[i], rules.seed)
         if alt is not None:
             t_alt = max(r.time_s for r in alt) * weight[i]
             if t_alt < plans[i][0]:

@@ -11,8 +11,6 @@ a third of the planning time and never won, hence the document budget
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from dcp_ext.kernels import built
@@ -33,11 +31,10 @@ def enabled(option: str) -> bool:
     return option == "on"
 
 
-def side_plan(cm, pool_tables: dict, placement, prep: BatchPrep, t_est: float, seed: int,
-              beat: float = math.inf) -> list[PackedReplica] | None:
+def side_plan(cm, pool_tables: dict, placement, prep: BatchPrep, t_est: float, seed: int) -> list[PackedReplica] | None:
     """The replicas of `placement` (the leading candidate, whose estimate is `t_est`) with
-    their documents handed out by `stage1_search`, packed and priced; None when that plan
-    is not faster than `beat` or cannot be made. The search's model has no per-replica
+    their documents handed out by `stage1_search`, packed and priced (the caller keeps
+    the faster plan); None when it cannot be made. The search's model has no per-replica
     constant and no recompute, so each replica's costs are scaled by T/(T - sync) (equal
     scaled times then mean equal finish times with sync), and its micro-batches are
     capped at the no-recompute token cap: a batch with a document longer than every cap is
@@ -64,7 +61,6 @@ def side_plan(cm, pool_tables: dict, placement, prep: BatchPrep, t_est: float, s
     for i, r in enumerate(where):
         docs[r].append(int(position[i]))
     try:
-        out = pack_and_price(cm, pool_tables, prep, placement, [sorted(d) for d in docs])
+        return pack_and_price(cm, pool_tables, prep, placement, [sorted(d) for d in docs])
     except PlanningError:
         return None
-    return out if max(r.time_s for r in out) < beat else None
